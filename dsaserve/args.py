@@ -1,0 +1,221 @@
+"""Server arguments: one frozen dataclass, flag names as SGLang names them.
+
+`ServerArgs.from_cli(argv)` parses and checks a command line; `add_server_args(parser)` is the one
+place every flag is declared, so `dsaserve serve`, the offline `LLM` and the deploy planner agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsaserve.assets import default_model_path
+
+
+class ArgsError(ValueError):
+    """A flag value or combination that cannot work; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # model and tokenizer
+    model_path: str = field(default_factory=lambda: str(default_model_path()))
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    context_length: int | None = None
+    json_model_override_args: str | None = None
+    trust_remote_code: bool = False
+    device: str = "auto"
+    random_seed: int = 0
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    reasoning_parser: str | None = "auto"
+    tool_call_parser: str | None = "auto"
+    default_chat_template_kwargs: str | None = None
+    enable_metrics: bool = False
+    enable_cache_report: bool = False
+    max_queued_requests: int | None = None
+    watchdog_timeout: float = 300.0
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+    skip_server_warmup: bool = False
+    max_request_bytes: int = 32 * 1024 * 1024
+    # memory and scheduling
+    mem_fraction_static: float | None = None
+    max_total_tokens: int | None = None
+    page_size: int | None = None
+    chunked_prefill_size: int | None = None
+    max_prefill_tokens: int = 16384
+    max_running_requests: int | None = None
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    radix_eviction_policy: str = "lru"
+    kv_cache_dtype: str = "auto"
+    # attention backends (GPU)
+    attention_backend: str | None = None
+    dsa_prefill_backend: str | None = None
+    dsa_decode_backend: str | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    # speculative decoding
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    # HiCache
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: int = 0
+    hicache_write_policy: str = "write_through"
+    # parallelism
+    tp_size: int = 1
+    dp_size: int = 1
+    ep_size: int = 1
+    enable_dp_attention: bool = False
+    moe_a2a_backend: str | None = None
+    enable_prefill_cp: bool = False
+    cp_strategy: str | None = None
+    attn_cp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    enable_flashinfer_allreduce_fusion: bool = False
+    # disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_ib_device: str | None = None
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
+        parser = argparse.ArgumentParser(prog="dsaserve serve", allow_abbrev=False)
+        add_server_args(parser)
+        return cls.from_namespace(parser.parse_args(argv))
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    def chat_template_defaults(self) -> dict:
+        return json.loads(self.default_chat_template_kwargs or "{}")
+
+
+def _check(args: ServerArgs) -> None:
+    """Reject values and combinations that cannot work, naming the flag."""
+    positive = ["tp_size", "dp_size", "ep_size", "max_prefill_tokens", "attn_cp_size", "nnodes"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ["max_total_tokens", "page_size", "max_running_requests", "max_queued_requests"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
+        raise ArgsError(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
+    if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
+        raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+    if args.default_chat_template_kwargs:
+        try:
+            if not isinstance(json.loads(args.default_chat_template_kwargs), dict):
+                raise ValueError
+        except ValueError as e:
+            raise ArgsError("--default-chat-template-kwargs must be a JSON object") from e
+    if args.kv_cache_dtype not in ("auto", "bf16", "bfloat16", "fp8_e4m3", "float32", "fp32"):
+        raise ArgsError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: DSA models support only bf16 or fp8_e4m3"
+        )
+    if args.cp_strategy == "interleave" and args.enable_prefill_cp and args.dp_size != 1:
+        raise ArgsError("--cp-strategy interleave does not support DP attention: use --dp 1")
+    if args.enable_prefill_cp and args.disaggregation_mode == "decode":
+        raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) -> None:
+    dest = name.lstrip("-").replace("-", "_")
+    default = ServerArgs.__dataclass_fields__[dest]
+    if "default" not in kw and kw.get("action") not in ("store_true",):
+        kw["default"] = None if default.default is dataclasses.MISSING else default.default
+    parser.add_argument(name, *aliases, dest=dest, **kw)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Declare every `dsaserve serve` flag (SGLang's names; aliases as SGLang accepts them)."""
+    f = lambda name, *aliases, **kw: _flag(parser, name, *aliases, **kw)  # noqa: E731
+    on = {"action": "store_true"}
+    f("--model-path", "--model", help="checkpoint folder (default: the embedded model)")
+    f("--tokenizer-path")
+    f("--served-model-name")
+    f("--dtype", choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
+    f("--context-length", type=int)
+    f("--json-model-override-args", help="JSON merged over the checkpoint's config.json")
+    f("--trust-remote-code", **on)
+    f("--device", choices=["auto", "cpu", "cuda"])
+    f("--random-seed", type=int)
+    f("--host")
+    f("--port", type=int)
+    f("--api-key")
+    f("--reasoning-parser", choices=["auto", "glm45", "deepseek-v3", "none"])
+    f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
+    f("--default-chat-template-kwargs", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    f("--enable-metrics", **on)
+    f("--enable-cache-report", **on)
+    f("--max-queued-requests", type=int)
+    f("--watchdog-timeout", type=float)
+    f("--shutdown-timeout", type=float)
+    f("--log-level", choices=["debug", "info", "warning", "error"])
+    f("--skip-server-warmup", **on)
+    f("--max-request-bytes", type=int)
+    f("--mem-fraction-static", type=float)
+    f("--max-total-tokens", type=int)
+    f("--page-size", type=int)
+    f("--chunked-prefill-size", type=int)
+    f("--max-prefill-tokens", type=int)
+    f("--max-running-requests", type=int)
+    f("--disable-radix-cache", **on)
+    f("--schedule-policy", choices=["fcfs", "lpm"])
+    f("--radix-eviction-policy", choices=["lru"])
+    f("--kv-cache-dtype")
+    f("--attention-backend", choices=["dsa", "nsa", "torch"])
+    backends = ["flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto", "fa3",
+                "tilelang", "aiter", "trtllm"]  # fmt: skip
+    f("--dsa-prefill-backend", "--nsa-prefill-backend", choices=backends)
+    f("--dsa-decode-backend", "--nsa-decode-backend", choices=backends)
+    f("--disable-cuda-graph", **on)
+    f("--cuda-graph-max-bs", type=int)
+    f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])
+    f("--speculative-num-steps", type=int)
+    f("--speculative-eagle-topk", type=int)
+    f("--speculative-num-draft-tokens", type=int)
+    f("--enable-hierarchical-cache", **on)
+    f("--hicache-ratio", type=float)
+    f("--hicache-size", type=int)
+    f("--hicache-write-policy", choices=["write_through", "write_through_selective", "write_back"])
+    f("--tp-size", "--tp", "--tensor-parallel-size", type=int)
+    f("--dp-size", "--dp", "--data-parallel-size", type=int)
+    f("--ep-size", "--ep", "--expert-parallel-size", type=int)
+    f("--enable-dp-attention", **on)
+    f("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
+    f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
+    f("--cp-strategy", choices=["interleave", "zigzag"])
+    f("--attn-cp-size", "--attention-context-parallel-size", type=int)
+    f("--nnodes", type=int)
+    f("--node-rank", type=int)
+    f("--dist-init-addr")
+    f("--enable-flashinfer-allreduce-fusion", **on)
+    f("--disaggregation-mode", choices=["null", "prefill", "decode"])
+    f("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "mooncake_tcp", "fake"])
+    f("--disaggregation-bootstrap-port", type=int)
+    f("--disaggregation-ib-device")

@@ -1,0 +1,72 @@
+"""Per-request sampling parameters (the offline API's and the engine's one shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion. `None` means "the checkpoint's generation_config default".
+
+    `logprobs`: None for no log-probabilities, else the number of top alternatives per token
+    (0 returns only the chosen token's). `n` > 1 is expanded by the front ends into n requests
+    (choice i uses seed + i when a seed is given).
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    n: int = 1
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for values no sampler can honour."""
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.temperature is None or self.temperature >= 0, "temperature", "must be >= 0"),
+            (self.top_p is None or 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (self.top_k is None or self.top_k == -1 or self.top_k >= 1, "top_k", "must be >= 1 or -1"),
+            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.n >= 1, "n", "must be >= 1"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    def with_defaults(self, defaults: dict) -> SamplingParams:
+        """Fill the unset (None) fields from a generation_config-style dict."""
+        filled = {k: defaults[k] for k in ("temperature", "top_p", "top_k") if k in defaults}
+        changes = {k: v for k, v in filled.items() if getattr(self, k) is None}
+        out = dataclasses.replace(self, **changes)
+        out.temperature = 1.0 if out.temperature is None else out.temperature
+        out.top_p = 1.0 if out.top_p is None else out.top_p
+        out.top_k = -1 if out.top_k is None or out.top_k == 0 else out.top_k
+        return out
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
