@@ -1,0 +1,66 @@
+"""`ForwardBatch`: what one model forward computes, installed for the layers by a context manager.
+
+Tokens of all requests are flattened into one row dimension T. Requests whose step computes one
+token (decodes) are attended in one padded, batched pass; longer runs (prefill chunks, verify
+runs) are attended one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ExtendSeq:
+    """A run of q_len new tokens at rows [q_start, q_start + q_len) over a context of ctx_len."""
+
+    q_start: int
+    q_len: int
+    ctx_slots: torch.Tensor  # [ctx_len] KV slots of the whole context, new tokens last
+
+    @property
+    def ctx_len(self) -> int:
+        return self.ctx_slots.shape[0]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_slots: torch.Tensor  # [T] where each new token's KV is written
+    extends: list[ExtendSeq]
+    decode_rows: torch.Tensor  # [Bd] rows of single-token requests
+    decode_slots: torch.Tensor  # [Bd, Lmax] context slots, padded with 0
+    decode_valid: torch.Tensor  # [Bd, Lmax] bool
+    logits_rows: torch.Tensor  # [R] rows whose next-token logits are needed
+    kv_cache: torch.Tensor  # [layers, slots, kv_lora_rank + rope] the pool's MLA entries
+    index_cache: torch.Tensor  # [indexer layers, slots, index_head_dim]
+
+    @property
+    def decode_lens(self) -> torch.Tensor:
+        return self.decode_valid.sum(dim=1)
+
+
+_current: list[ForwardBatch] = []
+
+
+@contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[ForwardBatch]:
+    """Install `batch` for the layers of one forward; nesting is refused."""
+    if _current:
+        raise RuntimeError("a forward batch is already installed")
+    _current.append(batch)
+    try:
+        yield batch
+    finally:
+        _current.pop()
+
+
+def current_batch() -> ForwardBatch:
+    if not _current:
+        raise RuntimeError("no forward batch installed: call the model inside forward_context()")
+    return _current[0]

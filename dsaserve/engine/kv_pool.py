@@ -1,0 +1,69 @@
+"""The paged KV pool: per layer, each token's MLA entry and (for indexer layers) its index key.
+
+Slots are grouped into pages of `page_size` tokens; a request owns a list of pages and its token
+at position i lives in slot pages[i // page_size] * page_size + i % page_size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.model_config import ModelConfig
+
+
+class PagePool:
+    """Free-list allocator of page ids."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        return taken[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+class KVPool:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        num_index_layers: int,
+        with_mtp: bool,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.page_size = page_size
+        self.pages = PagePool(num_pages)
+        layers = config.num_hidden_layers + int(with_mtp)
+        slots = num_pages * page_size
+        self.kv_cache = torch.zeros(layers, slots, config.kv_entry_dim, dtype=dtype, device=device)
+        self.index_cache = torch.zeros(
+            num_index_layers, slots, config.index_head_dim, dtype=dtype, device=device
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.pages.num_pages * self.page_size
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, num_index_layers: int, with_mtp: bool, itemsize: int):
+        layers = config.num_hidden_layers + int(with_mtp)
+        return itemsize * (layers * config.kv_entry_dim + num_index_layers * config.index_head_dim)
+
+    def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """Slots of token positions [start, end) for a request owning `pages`."""
+        pos = torch.arange(start, end)
+        page_ids = torch.tensor(pages, dtype=torch.long)
+        return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -1,0 +1,87 @@
+"""The DSA lightning indexer: scores every cached token per query, keeps the top `index_topk`.
+
+I(t, s) = sum_h w_h(t) * n_heads^-0.5 * d^-0.5 * ReLU(q_h(t) . k(s)), causal, no softmax. The
+keys live in the pool's per-layer index cache. When the context is no longer than index_topk the
+selection is every token (attention is then exactly dense), so nothing is scored.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.layers.rotary import apply_rotary
+from dsaserve.model_config import ModelConfig
+
+
+class Selection(NamedTuple):
+    """Selected context positions: per extend seq [q_len, ctx_len] bool, decodes [Bd, Lmax]; None
+    means all (dense)."""
+
+    extends: list[torch.Tensor | None]
+    decode: torch.Tensor | None
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: ModelConfig, cache_index: int) -> None:
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = config.index_topk
+        self.interleave = config.indexer_rope_interleave
+        self.cache_index = cache_index
+        self.wq_b = nn.Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
+
+    @torch.no_grad()
+    def forward(
+        self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> Selection:
+        batch = current_batch()
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)  # [T, nI, dI]
+        k = self.k_norm(self.wk(x))  # [T, dI]
+        q = torch.cat([apply_rotary(q[..., : self.rope_dim], cos, sin, self.interleave),
+                       q[..., self.rope_dim :]], dim=-1)  # fmt: skip
+        k = torch.cat([apply_rotary(k[..., : self.rope_dim], cos, sin, self.interleave),
+                       k[..., self.rope_dim :]], dim=-1)  # fmt: skip
+        cache = batch.index_cache[self.cache_index]
+        cache[batch.out_slots] = k.to(cache.dtype)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
+        weights = weights * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [T, nI]
+        extends = [self._select_extend(batch, seq, q, weights, cache) for seq in batch.extends]
+        return Selection(extends, self._select_decode(batch, q, weights, cache))
+
+    def _select_extend(self, batch: ForwardBatch, seq, q, weights, cache) -> torch.Tensor | None:
+        if seq.ctx_len <= self.topk:
+            return None
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        keys = cache[seq.ctx_slots].float()  # [L, dI]
+        scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys))
+        scores = torch.einsum("nh,nhl->nl", weights[rows], scores)  # [n, L]
+        first = seq.ctx_len - seq.q_len
+        causal = torch.arange(seq.ctx_len)[None, :] <= first + torch.arange(seq.q_len)[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        return _topk_mask(scores, self.topk)
+
+    def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
+        if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:
+            return None
+        keys = cache[batch.decode_slots].float()  # [Bd, Lmax, dI]
+        rows = batch.decode_rows
+        scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows].float(), keys))
+        scores = torch.einsum("bh,bhl->bl", weights[rows], scores)
+        scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
+        return _topk_mask(scores, self.topk)
+
+
+def _topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Bool mask of each row's top-k positions (rows with fewer finite scores keep them all;
+    the caller's causal/validity mask removes the -inf picks)."""
+    index = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)

@@ -1,0 +1,90 @@
+"""Multi-head latent attention over the paged cache, in the weight-absorbed form.
+
+Each cache entry is [normalised latent c_kv (kv_lora_rank) | roped key k_pe (rope dim)]. The
+query absorbs W_UK so every head scores the shared entry directly; W_UV is applied to the
+attended latent. The softmax scale stays qk_head_dim^-0.5 (times the YaRN mscale^2).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.layers.indexer import Indexer, Selection
+from dsaserve.layers.norm import RMSNorm
+from dsaserve.layers.rotary import apply_rotary
+from dsaserve.model_config import ModelConfig
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads = config.num_attention_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.rank = config.kv_lora_rank
+        self.scale = config.softmax_scale
+        bias = config.attention_bias
+        h = config.hidden_size
+        self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * config.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_entry_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(
+            self.rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
+        )
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=bias)
+        self.indexer = None if index_cache_id is None else Indexer(config, index_cache_id)
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v, rank], views of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Selection | None
+    ) -> tuple[torch.Tensor, Selection]:
+        batch = current_batch()
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(-1, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        k_pe = apply_rotary(k_pe, cos, sin, interleave=True)
+        cache = batch.kv_cache[self.layer_id]
+        cache[batch.out_slots] = torch.cat([self.kv_a_layernorm(latent), k_pe], -1).to(cache.dtype)
+        selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
+        w_uk, w_uv = self.absorbed()
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
+        q_full = torch.cat([q_lat, apply_rotary(q_pe, cos, sin, interleave=True)], -1)  # [T,H,576]
+        out = q_full.new_empty(q_full.shape[0], self.n_heads, self.rank)
+        for seq, selected in zip(batch.extends, selection.extends):
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            out[rows] = self._attend_extend(q_full[rows], cache[seq.ctx_slots], seq, selected)
+        if batch.decode_rows.numel():
+            out[batch.decode_rows] = self._attend_decode(q_full, cache, batch, selection.decode)
+        attn = torch.einsum("thr,hvr->thv", out, w_uv).reshape(x.shape[0], -1)
+        return self.o_proj(attn), selection
+
+    def _attend_extend(self, q, ctx, seq, selected: torch.Tensor | None) -> torch.Tensor:
+        first = seq.ctx_len - seq.q_len
+        allowed = torch.arange(seq.ctx_len)[None, :] <= first + torch.arange(seq.q_len)[:, None]
+        if selected is not None:
+            allowed = allowed & selected
+        ctx = ctx.to(q.dtype)
+        scores = torch.einsum("nhc,lc->hnl", q, ctx) * self.scale  # [H, n, L]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("hnl,lr->nhr", probs, ctx[:, : self.rank])
+
+    def _attend_decode(self, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
+        allowed = batch.decode_valid if selected is None else batch.decode_valid & selected
+        ctx = cache[batch.decode_slots].to(q_full.dtype)  # [Bd, Lmax, 576]
+        q = q_full[batch.decode_rows]  # [Bd, H, 576]
+        scores = torch.einsum("bhc,blc->bhl", q, ctx) * self.scale
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("bhl,blr->bhr", probs, ctx[..., : self.rank])

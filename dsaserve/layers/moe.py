@@ -1,0 +1,91 @@
+"""Feed-forward blocks: the SwiGLU MLP (dense layers, shared expert) and noaux_tc routed MoE."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaserve.model_config import ModelConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores in fp32; the bias steers selection only; group-limited top-k."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.scaling = config.routed_scaling_factor
+        self.normalise = config.norm_topk_prob
+        n = config.n_routed_experts
+        self.weight = nn.Parameter(torch.zeros(n, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            keep = group_scores.topk(self.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view_as(choice)
+        index = choice.topk(self.top_k, dim=-1).indices  # [T, k]
+        weights = scores.gather(1, index)
+        if self.normalise:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return index, weights * self.scaling
+
+
+class Experts(nn.Module):
+    """Routed experts as fused tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        flat = index.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // index.shape[1]
+        weight_of = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of[start : start + count]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(x.dtype))
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index, weights = self.gate(x)
+        out = self.experts(x, index, weights)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out

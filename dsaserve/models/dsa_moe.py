@@ -1,0 +1,122 @@
+"""The GLM-5.x / DeepSeek-V3.2 model family (`glm_moe_dsa`, `deepseek_v32`), config-driven.
+
+Parameter names equal the Hugging Face checkpoint names, so loading is a lookup. The MTP (nextn)
+layer, when kept, is `model.layers[num_hidden_layers]` and has its own cache entries.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.engine.forward_batch import current_batch
+from dsaserve.layers.indexer import Selection
+from dsaserve.layers.mla import MLAttention
+from dsaserve.layers.moe import MLP, MoE
+from dsaserve.layers.norm import RMSNorm
+from dsaserve.layers.rotary import Rotary
+from dsaserve.model_config import ModelConfig
+
+
+def index_cache_ids(config: ModelConfig, with_mtp: bool) -> dict[int, int]:
+    """Layer id -> row of the pool's index cache, for layers that run their own indexer."""
+    full = [i for i, t in enumerate(config.indexer_types) if t == "full"]
+    if with_mtp:
+        full.append(config.num_hidden_layers)
+    return {layer: row for row, layer in enumerate(full)}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MLAttention(config, layer_id, index_cache_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        dense = layer_id < config.num_hidden_layers and config.mlp_layer_types[layer_id] == "dense"
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else MoE(config)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Selection | None
+    ) -> tuple[torch.Tensor, Selection]:
+        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, shared)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), selection
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """The nextn layer: drafts token i+2 from the embedding of token i+1 and the hidden state at i.
+
+    u = eh_proj([enorm(emb) | hnorm(hidden)]); h' = decoder layer(u); logits = lm_head(norm(h')).
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
+        super().__init__(config, layer_id, index_cache_id)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x, _ = super().forward(x, cos, sin, None)
+        return x  # un-normed; shared_head.norm is applied before the lm_head
+
+
+class DsaMoeModel(nn.Module):
+    def __init__(self, config: ModelConfig, with_mtp: bool) -> None:
+        super().__init__()
+        ids = index_cache_ids(config, with_mtp)
+        n = config.num_hidden_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(config, i, ids.get(i)) for i in range(n)]
+        if with_mtp:
+            layers.append(MTPLayer(config, n, ids[n]))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.num_hidden_layers = n
+
+
+class DsaMoeForCausalLM(nn.Module):
+    """Main model (+ optional MTP layer). `forward` runs the installed ForwardBatch and returns
+    the final normed hidden states of every row; `logits` projects chosen rows."""
+
+    def __init__(self, config: ModelConfig, with_mtp: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.with_mtp = with_mtp
+        self.model = DsaMoeModel(config, with_mtp)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = Rotary(config.rope)
+
+    @property
+    def mtp(self) -> MTPLayer:
+        return self.model.layers[self.config.num_hidden_layers]
+
+    @torch.inference_mode()
+    def forward(self) -> torch.Tensor:
+        batch = current_batch()
+        x = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        selection = None
+        for layer in self.model.layers[: self.config.num_hidden_layers]:
+            x, selection = layer(x, cos, sin, selection)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def forward_mtp(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run the MTP layer on the installed batch: row r's input token is batch.input_ids[r]
+        (token i+1) and hidden[r] the target's normed hidden state at i. Returns h' normed."""
+        batch = current_batch()
+        embeds = self.model.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
+        return self.mtp.shared_head.norm(self.mtp.draft(embeds, hidden, cos, sin))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
