@@ -1,0 +1,1 @@
+"""Output parsers: GLM reasoning (`glm45`) and tool calls (`glm47`, `glm45`)."""
