@@ -1,0 +1,1 @@
+"""`dsaserve bench`: the serving benchmark client (workloads, backends, timing, report)."""
