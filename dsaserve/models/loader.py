@@ -1,0 +1,238 @@
+"""Fill a model from a Hugging Face safetensors checkpoint folder, streaming shard by shard.
+
+The model's parameter and persistent-buffer names are the checkpoint's (transformers 5 names),
+so loading is a lookup. Two translations happen on the way:
+
+- per-expert tensors `...mlp.experts.{e}.{gate,up,down}_proj.weight` are written into the
+  fused `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I];
+  a fused checkpoint is taken as is;
+- block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU.
+
+Router weights (`mlp.gate.weight`, `e_score_correction_bias`) stay float32; all else is cast to
+the requested dtype. Tensors the model lacks (e.g. an MTP layer it skips) are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from dsaserve.models.checkpoint_files import (
+    CheckpointError,
+    find_checkpoint_files,
+    fp8_block_size,
+    get_tensor,
+    open_safetensors,
+    tensor_locations,
+)
+from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX, dequantize_block_fp8
+
+__all__ = ["CheckpointError", "load_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+EXPERT_RE = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class _Target:
+    """One model tensor (with all the names it is reachable by) and what has been written."""
+
+    names: list[str]
+    owners: list[tuple[nn.Module, str]]
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    filled: bool = False
+    pieces: set[tuple[int, str]] = field(default_factory=set)
+
+
+def load_checkpoint(
+    model: nn.Module, path: str | Path, dtype: torch.dtype, *, show_progress: bool = True
+) -> None:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint folder."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CheckpointError(f"load dtype must be a floating torch.dtype, got {dtype!r}")
+    folder = Path(path)
+    files = find_checkpoint_files(folder)
+    targets = _collect_targets(model, dtype)
+    loader = _Loader(targets, tensor_locations(files), fp8_block_size(folder))
+    with (
+        torch.no_grad(),
+        tqdm(
+            total=len(loader.locations),
+            desc=f"Loading {folder.name}",
+            unit="tensor",
+            disable=not show_progress,
+        ) as bar,
+    ):
+        for file in files:
+            with open_safetensors(file) as handle:
+                for name in handle.keys():
+                    loader.load(name, handle, file)
+                    bar.update()
+    loader.check_complete(folder)
+
+
+def _collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, _Target]:
+    """Every parameter and persistent buffer by each of its names (tied tensors share one)."""
+    by_identity: dict[int, _Target] = {}
+    by_name: dict[str, _Target] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        persistent = {
+            attr: buf
+            for attr, buf in module._buffers.items()
+            if buf is not None and attr not in module._non_persistent_buffers_set
+        }
+        params = {attr: p for attr, p in module._parameters.items() if p is not None}
+        for attr, tensor in {**params, **persistent}.items():
+            name = f"{prefix}.{attr}" if prefix else attr
+            target = by_identity.get(id(tensor))
+            if target is None:
+                target = _Target([], [], tensor, dtype)
+                by_identity[id(tensor)] = target
+            target.names.append(name)
+            target.owners.append((module, attr))
+            if name.endswith(FP32_SUFFIXES):
+                target.dtype = torch.float32
+            by_name[name] = target
+    return by_name
+
+
+def _storage(target: _Target) -> torch.Tensor:
+    """The target's tensor, first reallocated (same device) if meta or of another dtype."""
+    current = target.tensor
+    if not current.is_meta and current.dtype == target.dtype:
+        return current
+    device = torch.device("cpu") if current.is_meta else current.device
+    fresh = torch.empty(current.shape, dtype=target.dtype, device=device)
+    if isinstance(current, nn.Parameter):
+        fresh = nn.Parameter(fresh, requires_grad=current.requires_grad)
+    for module, attr in target.owners:
+        if isinstance(fresh, nn.Parameter):
+            module._parameters[attr] = fresh
+        else:
+            module._buffers[attr] = fresh
+    target.tensor = fresh
+    return fresh
+
+
+class _Loader:
+    """Places each checkpoint tensor into its model target; tracks what is still missing."""
+
+    def __init__(
+        self, targets: dict[str, _Target], locations: dict[str, Path], block: tuple[int, int]
+    ) -> None:
+        self.targets = targets
+        self.locations = locations
+        self.block = block
+        self.ignored: list[str] = []
+
+    def load(self, name: str, handle: object, file: Path) -> None:
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.locations:
+            return  # read together with its weight
+        target = self.targets.get(name)
+        expert = EXPERT_RE.match(name) if target is None else None
+        fused = self._fused_target(expert) if expert else None
+        if target is None and fused is None:
+            self.ignored.append(name)
+            logger.debug("ignoring checkpoint tensor %s (not in the model)", name)
+            return
+        tensor = self._read(name, handle, file)
+        if target is not None:
+            self._place_whole(name, target, tensor)
+        else:
+            self._place_expert(name, expert, fused, tensor)
+
+    def _read(self, name: str, handle: object, file: Path) -> torch.Tensor:
+        tensor = get_tensor(handle, name, file)
+        if tensor.dtype not in FP8_DTYPES:
+            return tensor
+        scale_name = name + SCALE_SUFFIX
+        scale_file = self.locations.get(scale_name)
+        if scale_file is None:
+            raise CheckpointError(f"FP8 tensor {name} in {file} has no {scale_name}")
+        if scale_file == file:
+            scale = get_tensor(handle, scale_name, file)
+        else:
+            with open_safetensors(scale_file) as other:
+                scale = get_tensor(other, scale_name, scale_file)
+        try:
+            return dequantize_block_fp8(tensor, scale, self.block)
+        except ValueError as exc:
+            raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
+
+    def _fused_target(self, expert: re.Match[str]) -> _Target | None:
+        kind = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"
+        target = self.targets.get(f"{expert['prefix']}.{kind}")
+        return target if target is not None and target.tensor.dim() == 3 else None
+
+    def _place_whole(self, name: str, target: _Target, tensor: torch.Tensor) -> None:
+        _check_shape(name, tuple(target.tensor.shape), tuple(tensor.shape))
+        _storage(target).copy_(tensor)
+        target.filled = True
+
+    def _place_expert(
+        self, name: str, expert: re.Match[str], target: _Target, tensor: torch.Tensor
+    ) -> None:
+        num_experts, rows, cols = target.tensor.shape
+        index, proj = int(expert["expert"]), expert["proj"]
+        if index >= num_experts:
+            raise CheckpointError(
+                f"checkpoint tensor {name}: expert {index} is out of range, the model has "
+                f"{num_experts} experts in {target.names[0]}"
+            )
+        half = rows // 2  # gate_up_proj rows: gate first, then up
+        row_slice = {"gate_proj": slice(0, half), "up_proj": slice(half, rows)}.get(
+            proj, slice(0, rows)
+        )
+        _check_shape(name, (row_slice.stop - row_slice.start, cols), tuple(tensor.shape))
+        _storage(target)[index, row_slice].copy_(tensor)
+        target.pieces.add((index, proj))
+
+    def check_complete(self, folder: Path) -> None:
+        missing = []
+        for target in {id(t): t for t in self.targets.values()}.values():
+            name = _missing_name(target)
+            if name is not None:
+                missing.append(name)
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"checkpoint {folder} has no tensor {missing[0]}{more}")
+        if self.ignored:
+            logger.info("ignored %d checkpoint tensors the model does not use", len(self.ignored))
+
+
+def _check_shape(name: str, expected: tuple[int, ...], found: tuple[int, ...]) -> None:
+    if expected != found:
+        raise CheckpointError(
+            f"shape mismatch for {name}: the model expects {list(expected)}, "
+            f"the checkpoint has {list(found)}"
+        )
+
+
+def _missing_name(target: _Target) -> str | None:
+    """A name to report if `target` was not (fully) written, else None."""
+    if target.filled:
+        return None
+    fused = next((m for m in map(FUSED_EXPERTS_RE.match, target.names) if m), None)
+    if fused is None or target.tensor.dim() != 3:
+        return target.names[0]
+    projs = ("down_proj",) if fused["kind"] == "down_proj" else ("gate_proj", "up_proj")
+    if not target.pieces:
+        per_expert = "/".join(projs)
+        return f"{fused[0]} (nor per-expert {fused['prefix']}.{{e}}.{per_expert}.weight)"
+    for index in range(target.tensor.shape[0]):
+        for proj in projs:
+            if (index, proj) not in target.pieces:
+                return f"{fused['prefix']}.{index}.{proj}.weight"
+    return None
