@@ -160,14 +160,51 @@ def test_bf16_load_keeps_router_fp32(source, fused_dir, family) -> None:
         assert torch.equal(tensor, state[name].to(tensor.dtype)), name
 
 
-def test_meta_model_is_materialised(source, fused_dir, family, capsys) -> None:
+@pytest.mark.parametrize("fp8", [False, True])
+def test_meta_model_is_materialised(source, fused_dir, family, tmp_path, capsys, fp8) -> None:
     _, state = source
+    folder = fused_dir
+    if fp8:
+        folder = tmp_path / "fp8"
+        quantize_checkpoint(fused_dir, folder, block=32)
+        state = fp8_expectation(folder)
+        state.update(merge_experts(state))
+        state = {n: state[n] for n in source[1]}
     fresh = make_model(family, seed=0, device="meta")
-    load_checkpoint(fresh, fused_dir, torch.float32, show_progress=True)
+    load_checkpoint(fresh, folder, torch.float32, show_progress=True)
     assert all(not t.is_meta for t in fresh.state_dict().values())
     assert all(isinstance(p, nn.Parameter) for p in fresh.parameters())
     assert_loaded(fresh, state)
     assert "Loading" in capsys.readouterr().err
+
+
+def test_tied_embedding_needs_one_copy(family, source, tmp_path) -> None:
+    model, state = source
+    untied = {n: t for n, t in state.items() if n != "lm_head.weight"}
+    folder = write_fused(untied, tmp_path / "ckpt", model)
+    fresh = make_model(family, seed=11)
+    fresh.lm_head.weight = fresh.model.embed_tokens.weight
+    load_checkpoint(fresh, folder, torch.bfloat16, show_progress=False)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight
+    assert torch.equal(fresh.lm_head.weight, state["model.embed_tokens.weight"].bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_load_into_cuda_model(family, source, fused_dir, tmp_path, fp8) -> None:
+    _, state = source
+    folder = fused_dir
+    if fp8:
+        folder = tmp_path / "fp8"
+        quantize_checkpoint(fused_dir, folder, block=32)
+        state = fp8_expectation(folder)
+        state.update(merge_experts(state))
+    fresh = make_model(family, seed=12).to("cuda", torch.bfloat16)
+    load_checkpoint(fresh, folder, torch.bfloat16, show_progress=False)
+    for name, tensor in fresh.state_dict().items():
+        assert tensor.is_cuda, name
+        assert torch.equal(tensor.cpu(), state[name].to(tensor.dtype)), name
 
 
 # ---------------------------------------------------------------- FP8

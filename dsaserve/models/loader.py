@@ -147,13 +147,17 @@ class _Loader:
             self.ignored.append(name)
             logger.debug("ignoring checkpoint tensor %s (not in the model)", name)
             return
-        tensor = self._read(name, handle, file)
+        # Why: dequantising on the target's device (a GPU when there is one) is much faster.
+        device = (target or fused).tensor.device
+        tensor = self._read(name, handle, file, device if device.type != "meta" else None)
         if target is not None:
             self._place_whole(name, target, tensor)
         else:
             self._place_expert(name, expert, fused, tensor)
 
-    def _read(self, name: str, handle: object, file: Path) -> torch.Tensor:
+    def _read(
+        self, name: str, handle: object, file: Path, device: torch.device | None
+    ) -> torch.Tensor:
         tensor = get_tensor(handle, name, file)
         if tensor.dtype not in FP8_DTYPES:
             return tensor
@@ -167,7 +171,7 @@ class _Loader:
             with open_safetensors(scale_file) as other:
                 scale = get_tensor(other, scale_name, scale_file)
         try:
-            return dequantize_block_fp8(tensor, scale, self.block)
+            return dequantize_block_fp8(tensor.to(device), scale.to(device), self.block)
         except ValueError as exc:
             raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
 
