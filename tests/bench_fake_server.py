@@ -30,6 +30,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "send_done": True,  # end with `data: [DONE]`
     "accept_length": None,  # /get_server_info internal_states[0].avg_spec_accept_length
     "model_path": "",
+    "reject_ignore_eos": False,  # answer 422 to ignore_eos, as `transformers serve` does
 }
 
 app = FastAPI()
@@ -156,6 +157,9 @@ def _max_tokens(max_tokens: int, ignore_eos: bool) -> int:
 @app.post("/v1/chat/completions")
 async def chat(request: Request):
     body = await request.json()
+    if state["config"]["reject_ignore_eos"] and "ignore_eos" in body:
+        detail = "Unexpected fields in the request: {'ignore_eos'}"
+        return JSONResponse({"detail": detail}, status_code=422)
     limit = _max_tokens(body["max_tokens"], body.get("ignore_eos", False))
     continuous = (body.get("stream_options") or {}).get("continuous_usage_stats", False)
     return _respond("chat", body["messages"][-1]["content"], limit, continuous)

@@ -170,6 +170,18 @@ def test_missing_done_without_finish_is_a_failure(fake_server, tmp_path):
     assert report["completed"] == 1 and report["failed"] == 1
 
 
+def test_ignore_eos_rejection_hints_and_can_be_disabled(fake_server, tmp_path, capsys):
+    _configure(fake_server, reject_ignore_eos=True)
+    argv = ["--base-url", fake_server, "--num-prompts", "2", "--disable-progress"]
+    assert bench_main(argv + ["--random-input-len", "8", "--random-output-len", "2"]) == 1
+    assert "--disable-ignore-eos" in capsys.readouterr().err
+    report = _run(
+        fake_server, tmp_path, "--num-prompts", "2", "--random-input-len", "8",
+        "--random-output-len", "6", "--disable-ignore-eos",
+    )  # fmt: skip
+    assert report["completed"] == 2 and report["total_output_tokens"] == 2 * 3  # "EOS" at half
+
+
 def test_unreachable_server_fails_every_request_and_ends(tmp_path):
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -165,6 +165,12 @@ class _Runner:
         return list(results), duration
 
 
+def _hint(result: RequestResult) -> str:
+    if "ignore_eos" in result.error:  # e.g. transformers serve answers 422 to unknown fields
+        return "\nhint: this server rejects ignore_eos; rerun with --disable-ignore-eos"
+    return ""
+
+
 def _details(results: list[RequestResult]) -> list[dict[str, Any]]:
     fields = ("success", "error", "prompt_len", "output_len", "cached_tokens", "ttft", "latency")
     return [{name: getattr(r, name) for name in fields} | {"itl": r.itl} for r in results]
@@ -188,7 +194,7 @@ async def _bench(args: argparse.Namespace, base_url: str) -> int:
         for _ in range(args.warmup_requests):
             warm = await runner.warmup(requests[0])
             if not warm.success:
-                print(f"error: warmup request failed: {warm.error}", file=sys.stderr)
+                print(f"error: warmup request failed: {warm.error}{_hint(warm)}", file=sys.stderr)
                 return 1
         results, duration = await runner.run(requests)
         accept = server_probe.accept_length(await server_probe.server_info(client, base_url))
