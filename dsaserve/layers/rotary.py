@@ -17,7 +17,9 @@ from dsaserve.model_config import RopeConfig, yarn_mscale
 
 def inv_freq_and_scale(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] (float32) and the cos/sin attention factor."""
-    pos_freqs = rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.float) / rope.dim)
+    pos_freqs = rope.theta ** (
+        torch.arange(0, rope.dim, 2, dtype=torch.float, device="cpu") / rope.dim
+    )
     extrapolation = 1.0 / pos_freqs
     if rope.yarn_factor is None:
         return extrapolation, 1.0
@@ -26,7 +28,7 @@ def inv_freq_and_scale(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     low, high = _correction_range(rope)
     high = high + 0.001 if low == high else high
     ramp = torch.clamp(
-        (torch.arange(rope.dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+        (torch.arange(rope.dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
     )
     extrapolation_factor = 1 - ramp
     inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor

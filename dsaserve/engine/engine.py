@@ -1,0 +1,235 @@
+"""`Engine`: model, KV pool, radix cache, scheduler and sampler behind one `step()`.
+
+`step()` = schedule -> run -> sample -> postprocess. The API process drives it over ZMQ; the
+offline `LLM` drives it in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.engine.radix_cache import RadixCache
+from dsaserve.engine.request import Req
+from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsaserve.layers.sampler import Sampler, SamplingState
+from dsaserve.model_config import ModelConfig
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
+from dsaserve.models.loader import load_checkpoint
+from dsaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+CPU_MAX_TOTAL_TOKENS = 1 << 18
+
+
+class Engine:
+    def __init__(self, args: ServerArgs, show_progress: bool = True) -> None:
+        self.args = args
+        self.device = _device(args.device)
+        self._init_config()
+        self._init_model(show_progress)
+        self._init_pool()
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.generation_defaults = _generation_defaults(Path(args.model_path))
+        self.eos_token_ids = list(self.generation_defaults.get("eos_token_id", []))
+        self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
+        self.sampler = Sampler(seed=args.random_seed)
+        self.reqs: dict[str, Req] = {}
+        self.stats_counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+
+    def _init_config(self) -> None:
+        overrides = json.loads(self.args.json_model_override_args or "{}")
+        self.model_config = ModelConfig.from_hf(self.args.model_path, overrides)
+        self.dtype = _dtype(self.args.dtype, self.model_config, self.device)
+
+    def _init_model(self, show_progress: bool) -> None:
+        with torch.device("meta"):
+            self.model = DsaMoeForCausalLM(self.model_config, with_mtp=False)
+        load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
+        self.model.to(self.device).eval().requires_grad_(False)
+        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
+
+    def _init_pool(self) -> None:
+        cfg, args = self.model_config, self.args
+        index_layers = len(index_cache_ids(cfg, False))
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = KVPool.bytes_per_token(cfg, index_layers, False, itemsize)
+        page_size = args.page_size or 64
+        tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
+        num_pages = max(tokens // page_size, 2)
+        self.pool = KVPool(cfg, num_pages, page_size, index_layers, False, self.dtype, self.device)
+        self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
+        context = min(args.context_length or cfg.context_length, self.pool.num_tokens)
+        self.context_length = context
+        chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
+        running = args.max_running_requests or (256 if self.device.type == "cuda" else 64)
+        self.scheduler = Scheduler(SchedulerConfig(running, chunk, context), self.pool, self.cache)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue one completion. Raises ValueError (naming the field) for input it cannot serve."""
+        params = SamplingParams(**request.sampling).with_defaults(self.generation_defaults)
+        self._check_request(request, params)
+        state = SamplingState(
+            params, request.input_ids, self.model_config.vocab_size, self.eos_token_ids
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, request.input_ids, params.stop, params.skip_special_tokens,
+            params.no_stop_trim,
+        )  # fmt: skip
+        req = Req(request.rid, list(request.input_ids), params, state, detok, request.stream)
+        self.reqs[req.rid] = req
+        self.scheduler.add(req)
+
+    def _check_request(self, request: GenerateRequest, params: SamplingParams) -> None:
+        if request.rid in self.reqs:
+            raise ValueError(f"rid {request.rid!r} is already in flight")
+        if not request.input_ids:
+            raise ValueError("input_ids must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in request.input_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if len(request.input_ids) >= self.context_length:
+            raise ValueError(
+                f"the prompt has {len(request.input_ids)} tokens; the context length is "
+                f"{self.context_length}"
+            )
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        req = self.reqs.pop(rid, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req)
+        req.finish("abort")
+        return req.take_output()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        sampled, logits = self.runner.forward(scheduled)
+        self._count_prompt(scheduled)
+        for req, end in zip(scheduled.reqs, scheduled.ends):
+            req.kv_len = end
+        reqs = [scheduled.reqs[i] for i in sampled]
+        if reqs:
+            result = self.sampler(logits, [r.sampling for r in reqs])
+            for req, token, lp in zip(reqs, result.token_ids, result.logprobs):
+                self._append(req, token, lp)
+        return self._collect(scheduled.reqs)
+
+    def _count_prompt(self, scheduled: ScheduledBatch) -> None:
+        for req, start in zip(scheduled.reqs, scheduled.starts):
+            if start == req.cached_tokens and not req.output_ids:
+                self.stats_counters["prompt_tokens"] += len(req.prompt_ids)
+                self.stats_counters["cached_tokens"] += req.cached_tokens
+
+    def _append(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
+        req.sampling.append(token)
+        req.pending_ids.append(token)
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+        self.stats_counters["generated_tokens"] += 1
+        text, matched = req.detok.push([token])
+        req.pending_text += text
+        params, n_out = req.params, len(req.output_ids)
+        if matched is not None:
+            req.finish("stop", matched)
+        elif token in params.stop_token_ids:
+            req.finish("stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            req.finish("stop", token)
+        elif params.max_tokens is not None and n_out >= params.max_tokens:
+            req.finish("length")
+        elif len(req.prompt_ids) + n_out >= self.context_length:
+            req.finish("length")
+
+    def _collect(self, reqs: list[Req]) -> list[RequestOutput]:
+        outputs = []
+        for req in dict.fromkeys(reqs):
+            if req.finished:
+                self.scheduler.finish(req)
+                self.reqs.pop(req.rid, None)
+                outputs.append(req.take_output())
+            elif req.stream and req.pending_ids:
+                outputs.append(req.take_output())
+        return outputs
+
+    # ---- introspection --------------------------------------------------------------------
+    def stats(self) -> dict:
+        pool, cache = self.pool, self.cache
+        used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
+        prompt = self.stats_counters["prompt_tokens"]
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_total_tokens": pool.num_tokens,
+            "kv_used_tokens": used_pages * pool.page_size,
+            "kv_cached_tokens": cache.cached_pages * pool.page_size,
+            "kv_free_pages": pool.pages.num_free,
+            "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
+            "num_retractions": self.scheduler.num_retractions,
+            **self.stats_counters,
+        }
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.cache.evict(self.pool.pages.num_pages)
+        self.cache.reset()
+        return True
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ArgsError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def _dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        name = config.torch_dtype if config.quantization is None else "bfloat16"
+    dtype = DTYPES.get(name.replace("torch.", ""), torch.bfloat16)
+    if device.type == "cpu" and dtype == torch.float16:
+        return torch.bfloat16  # CPU kernels: fp32 or bf16
+    return dtype
+
+
+def _tokens_from_memory(args: ServerArgs, per_token: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * (args.mem_fraction_static or 0.85) // per_token)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(int(total * (args.mem_fraction_static or 0.05) // per_token), CPU_MAX_TOTAL_TOKENS)
+
+
+def _generation_defaults(path: Path) -> dict:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    raw = json.loads(file.read_text())
+    eos = raw.get("eos_token_id", [])
+    raw["eos_token_id"] = eos if isinstance(eos, list) else [eos]
+    keep = ("temperature", "top_p", "top_k", "eos_token_id")
+    return {k: raw[k] for k in keep if raw.get(k) is not None}

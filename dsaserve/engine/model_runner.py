@@ -1,0 +1,73 @@
+"""Turns a scheduled batch into a ForwardBatch, runs the model, returns next-token logits."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: DsaMoeForCausalLM, pool: KVPool, device: torch.device) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+
+    def forward(self, scheduled: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
+        """Run one step; return the batch indices that produced logits and those logits [R, V]."""
+        batch, sampled = self.build(scheduled)
+        with forward_context(batch):
+            hidden = self.model()
+        return sampled, self.model.logits(hidden[batch.logits_rows])
+
+    def build(self, scheduled: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+        ids, positions, out_slots, extends = [], [], [], []
+        decode_rows, decode_ctx, logits_rows, sampled = [], [], [], []
+        row = 0
+        for i, (req, start, end) in enumerate(
+            zip(scheduled.reqs, scheduled.starts, scheduled.ends)
+        ):
+            fill = req.fill_ids
+            ids += fill[start:end]
+            positions += range(start, end)
+            out_slots.append(req.slots[start:end])
+            if end - start == 1:
+                decode_rows.append(row)
+                decode_ctx.append(req.slots[:end])
+            else:
+                extends.append(ExtendSeq(row, end - start, req.slots[:end].to(self.device)))
+            row += end - start
+            if end == len(fill):
+                logits_rows.append(row - 1)
+                sampled.append(i)
+        batch = self._assemble(ids, positions, out_slots, extends, decode_rows, decode_ctx)
+        batch.logits_rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return batch, sampled
+
+    def _assemble(
+        self, ids, positions, out_slots, extends, decode_rows, decode_ctx
+    ) -> ForwardBatch:
+        dev = self.device
+        if decode_ctx:
+            lens = torch.tensor([c.shape[0] for c in decode_ctx])
+            slots = pad_sequence(decode_ctx, batch_first=True)
+            valid = torch.arange(slots.shape[1])[None, :] < lens[:, None]
+        else:
+            slots = torch.zeros(0, 0, dtype=torch.long)
+            valid = torch.zeros(0, 0, dtype=torch.bool)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            out_slots=torch.cat(out_slots).to(dev),
+            extends=extends,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
+            decode_slots=slots.to(dev),
+            decode_valid=valid.to(dev),
+            logits_rows=torch.zeros(0, dtype=torch.long, device=dev),
+            kv_cache=self.pool.kv_cache,
+            index_cache=self.pool.index_cache,
+        )

@@ -1,0 +1,69 @@
+"""`Req`: one completion moving through the engine (waiting -> running -> finished)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.io import RequestOutput, TokenLogprob
+from dsaserve.engine.radix_cache import TreeNode
+from dsaserve.layers.sampler import SamplingState
+from dsaserve.sampling_params import SamplingParams
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampling: SamplingState
+    detok: IncrementalDetokenizer
+    stream: bool = True
+    order: int = field(default_factory=lambda: next(_arrival))
+    kv_len: int = 0  # tokens of fill_ids whose KV is in the pool
+    pages: list[int] = field(default_factory=list)
+    slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    prefix_node: TreeNode | None = None
+    cached_tokens: int | None = None  # set at first admission
+    finish_reason: dict | None = None
+    # what the next RequestOutput will carry
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.sampling.output_ids
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, kind: str, matched: int | str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = {"type": kind, "matched": matched}
+            self.pending_text += self.detok.flush()
+
+    def take_output(self) -> RequestOutput:
+        out = RequestOutput(
+            rid=self.rid,
+            token_ids=self.pending_ids,
+            text=self.pending_text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens or 0,
+            logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
+        )
+        self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
+        return out
