@@ -1,0 +1,385 @@
+"""The deployment guide's rules, each encoded once, in the order the planner applies them.
+
+A rule reads and edits a `Layout`. It returns a short detail when it applies (shown in the
+output under its name), None when it does not, or raises `Refuse` when the plan cannot work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dsaserve.deploy.fit import memory_report
+from dsaserve.deploy.layout import AppliedRule, Layout, Refusal, Speculative
+
+GIB = 1 << 30
+LOW_LATENCY_MTP = Speculative("EAGLE", 5, 1, 6)
+BALANCED_MTP = Speculative("EAGLE", 1, 1, 2)
+MEMORY_RULES = ("weights-fit", "kv-fits")  # refusals that more nodes can cure
+
+
+class Refuse(Exception):
+    """Raised inside a rule; the planner turns it into a `Refusal` naming the rule."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    text: str
+    apply: Callable[[Layout], str | None]
+
+
+RULES: list[Rule] = []
+
+
+def rule(name: str, text: str) -> Callable:
+    def register(fn: Callable[[Layout], str | None]) -> Callable[[Layout], str | None]:
+        RULES.append(Rule(name, text, fn))
+        return fn
+
+    return register
+
+
+def apply_rules(layout: Layout) -> Layout:
+    """Run every rule in order, recording those that apply; raise `Refusal` on the first veto."""
+    for r in RULES:
+        try:
+            detail = r.apply(layout)
+        except Refuse as e:
+            raise Refusal(r.name, str(e)) from None
+        if detail is not None:
+            layout.applied.append(AppliedRule(r.name, r.text, detail))
+    return layout
+
+
+def rule_names() -> list[str]:
+    return [r.name for r in RULES]
+
+
+# ---------------------------------------------------------------- hardware and precision
+
+
+@rule("nvfp4-blackwell-only", "NVFP4 checkpoints run on Blackwell only (native FP4 MMA is SM100+).")
+def _nvfp4_blackwell(lay: Layout) -> str | None:
+    if lay.model.precision == "nvfp4" and not lay.hardware.is_blackwell:
+        hw = lay.hardware
+        raise Refuse(f"{hw.name} is {hw.arch}; NVFP4 needs B200, B300 or GB300")
+    return None
+
+
+@rule("amd-single-node", "AMD (MI300X/MI325X/MI355X) recipes are single-node at tp 8.")
+def _amd_single_node(lay: Layout) -> str | None:
+    if lay.hardware.is_amd and lay.nodes > 1:
+        raise Refuse(f"{lay.nodes} nodes of {lay.hardware.name}: no multi-node ROCm layout")
+    return None
+
+
+# ---------------------------------------------------------------- recipes
+
+
+@rule("recipe-low-latency", "low-latency: TP over every GPU, EAGLE MTP 5/1/6.")
+def _low_latency(lay: Layout) -> str | None:
+    if lay.request.recipe != "low-latency":
+        return None
+    lay.tp, lay.recipe_mtp = lay.gpus, LOW_LATENCY_MTP
+    return f"TP{lay.tp}"
+
+
+def _dp_attention_deepep(lay: Layout) -> None:
+    lay.tp = lay.dp = lay.ep = lay.gpus
+    lay.dp_attention, lay.moe_a2a_backend = True, "deepep"
+
+
+@rule("recipe-balanced", "balanced: DP attention + expert parallel (DeepEP), EAGLE MTP 1/1/2.")
+def _balanced(lay: Layout) -> str | None:
+    if lay.request.recipe != "balanced":
+        return None
+    _dp_attention_deepep(lay)
+    lay.recipe_mtp = BALANCED_MTP
+    return f"TP{lay.tp} DP{lay.dp} EP{lay.ep}"
+
+
+@rule("recipe-high-throughput", "high-throughput: DP attention + expert parallel (DeepEP).")
+def _high_throughput(lay: Layout) -> str | None:
+    if lay.request.recipe != "high-throughput":
+        return None
+    _dp_attention_deepep(lay)
+    return f"TP{lay.tp} DP{lay.dp} EP{lay.ep}"
+
+
+@rule("balanced-long-prefill", "balanced with long inputs (8K+): --chunked-prefill-size 32768.")
+def _long_prefill(lay: Layout) -> str | None:
+    if lay.request.recipe != "balanced" or lay.request.input_len < 8192:
+        return None
+    lay.flags["--chunked-prefill-size"] = "32768"
+    return f"input {lay.request.input_len} tokens"
+
+
+@rule("cpu-tp-only", "CPU: plain TP, --device cpu, no MTP unless asked; DP attention needs GPUs.")
+def _cpu(lay: Layout) -> str | None:
+    if not lay.hardware.is_cpu:
+        return None
+    if lay.dp_attention:
+        raise Refuse(f"{lay.request.recipe} needs DP attention and DeepEP, which need GPUs")
+    lay.recipe_mtp = None
+    lay.flags["--device"] = "cpu"
+    return "--device cpu"
+
+
+@rule("bf16-plain-tp", "BF16 runs plain TP: the guide's BF16 cells have no DP attention.")
+def _bf16_plain_tp(lay: Layout) -> str | None:
+    if lay.model.precision != "bf16" or not lay.dp_attention:
+        return None
+    lay.plain_tp()
+    return f"TP{lay.tp}, no DP attention or DeepEP"
+
+
+@rule("nvfp4-no-deepep", "NVFP4 runs DP attention without DeepEP (the default MoE path).")
+def _nvfp4_no_deepep(lay: Layout) -> str | None:
+    if lay.model.precision != "nvfp4" or lay.moe_a2a_backend != "deepep":
+        return None
+    lay.moe_a2a_backend, lay.ep = None, 1
+    return "no --moe-a2a-backend deepep"
+
+
+@rule(
+    "amd-rocm",
+    "AMD: plain TP8 with the DSA tilelang backends, --chunked-prefill-size 131072 (unless the "
+    "recipe sets one) and --watchdog-timeout 1200 (weight loading is slow).",
+)
+def _amd_rocm(lay: Layout) -> str | None:
+    if not lay.hardware.is_amd:
+        return None
+    lay.plain_tp()
+    lay.flags["--dsa-prefill-backend"] = lay.flags["--dsa-decode-backend"] = "tilelang"
+    lay.flags.setdefault("--chunked-prefill-size", "131072")
+    lay.flags["--watchdog-timeout"] = "1200"
+    return f"TP{lay.tp}, tilelang"
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+@rule("cp-no-zigzag", "zigzag context parallelism is unavailable: use interleave with --dp 1.")
+def _cp_zigzag(lay: Layout) -> str | None:
+    if lay.request.context_parallel == "zigzag":
+        raise Refuse("--context-parallel zigzag is unavailable; use --context-parallel interleave")
+    return None
+
+
+@rule("cp-not-on-decode", "Prefill context parallelism is not for PD decode workers.")
+def _cp_decode(lay: Layout) -> str | None:
+    if lay.request.context_parallel and lay.request.pd == "decode":
+        raise Refuse("--context-parallel with --pd decode: prefill CP runs on prefill workers")
+    return None
+
+
+@rule("cp-hopper-only", "DSA prefill CP is verified on Hopper only (not Blackwell, not ROCm).")
+def _cp_hopper(lay: Layout) -> str | None:
+    if lay.request.context_parallel and not lay.hardware.is_hopper:
+        raise Refuse(f"--context-parallel on {lay.hardware.name} ({lay.hardware.arch})")
+    return None
+
+
+@rule("cp-single-node", "Prefill CP needs tp <= 8 (a single node).")
+def _cp_single_node(lay: Layout) -> str | None:
+    if lay.request.context_parallel and lay.tp > 8:
+        raise Refuse(f"--context-parallel at TP{lay.tp} ({lay.nodes} nodes)")
+    return None
+
+
+@rule("cp-interleave", "Interleave CP has no DP attention: --dp 1, --attn-cp-size = tp.")
+def _cp_interleave(lay: Layout) -> str | None:
+    if not lay.request.context_parallel:
+        return None
+    lay.plain_tp()
+    lay.flags.update({"--enable-prefill-cp": None, "--cp-strategy": "interleave"})
+    lay.flags["--attn-cp-size"] = str(lay.tp)
+    return f"attn-cp-size {lay.tp}"
+
+
+# ---------------------------------------------------------------- speculative decoding
+
+
+@rule("amd-no-mtp", "AMD: no MTP (the DSA draft path is not validated on ROCm).")
+def _amd_no_mtp(lay: Layout) -> str | None:
+    if not lay.hardware.is_amd:
+        return None
+    if lay.request.speculative == "mtp":
+        raise Refuse(f"--speculative mtp on {lay.hardware.name}; use --speculative none")
+    had_mtp, lay.recipe_mtp = lay.recipe_mtp, None
+    return "MTP off" if had_mtp else None
+
+
+@rule("mtp-needs-nextn", "MTP drafting needs the checkpoint's nextn layer.")
+def _mtp_nextn(lay: Layout) -> str | None:
+    if lay.model.has_mtp:
+        return None
+    if lay.request.speculative == "mtp":
+        raise Refuse(f"{lay.model.name} has num_nextn_predict_layers = 0")
+    had_mtp, lay.recipe_mtp = lay.recipe_mtp, None
+    return "MTP off" if had_mtp else None
+
+
+@rule(
+    "speculative",
+    "--speculative auto takes the recipe's MTP; mtp forces it (1/1/2 where the recipe has "
+    "none); none turns drafting off; dflash2 drafts with DFlash2.",
+)
+def _speculative(lay: Layout) -> str:
+    choice = lay.request.speculative
+    if choice == "dflash2":
+        lay.speculative = Speculative("DFLASH2")
+    elif choice == "mtp":
+        lay.speculative = lay.recipe_mtp or BALANCED_MTP
+    else:
+        lay.speculative = lay.recipe_mtp if choice == "auto" else None
+    return lay.speculative.describe() if lay.speculative else "off"
+
+
+@rule("dflash2-no-dp-attention", "DFlash2 drafting refuses DP attention.")
+def _dflash2(lay: Layout) -> str | None:
+    if lay.speculative and lay.speculative.algorithm == "DFLASH2" and lay.dp_attention:
+        raise Refuse(f"--speculative dflash2 with the {lay.request.recipe} recipe's DP attention")
+    return None
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+@rule("fp8-kv-nvidia-only", "FP8 KV is for NVIDIA GPUs; ROCm recipes and CPU keep bf16/fp32.")
+def _fp8_kv_nvidia(lay: Layout) -> str | None:
+    if lay.request.kv_cache_dtype == "fp8_e4m3" and lay.hardware.vendor != "nvidia":
+        raise Refuse(f"--kv-cache-dtype fp8_e4m3 on {lay.hardware.name}")
+    return None
+
+
+def _auto_kv_dtype(lay: Layout) -> str:
+    if lay.hardware.is_blackwell:
+        return "fp8_e4m3"
+    if lay.hardware.is_cpu and lay.model.precision == "fp32":
+        return "fp32"
+    return "bf16"
+
+
+@rule("kv-dtype-auto", "KV dtype auto: bf16 on Hopper (and ROCm), fp8_e4m3 on Blackwell.")
+def _kv_dtype(lay: Layout) -> str:
+    auto = _auto_kv_dtype(lay)
+    asked = lay.request.kv_cache_dtype
+    lay.kv_dtype = auto if asked == "auto" else asked
+    if lay.kv_dtype != auto:
+        lay.flags["--kv-cache-dtype"] = lay.kv_dtype
+    return lay.kv_dtype if asked == "auto" else f"{lay.kv_dtype} (auto would be {auto})"
+
+
+@rule(
+    "hopper-fp8-kv",
+    "FP8 KV on Hopper pairs --kv-cache-dtype fp8_e4m3 with --dsa-prefill-backend "
+    "flashmla_sparse_q8 --dsa-decode-backend flashmla_kv.",
+)
+def _hopper_fp8_kv(lay: Layout) -> str | None:
+    if not (lay.hardware.is_hopper and lay.kv_dtype == "fp8_e4m3"):
+        return None
+    lay.flags["--dsa-prefill-backend"] = "flashmla_sparse_q8"
+    lay.flags["--dsa-decode-backend"] = "flashmla_kv"
+    return "flashmla_sparse_q8 / flashmla_kv"
+
+
+# ---------------------------------------------------------------- serving roles and caches
+
+
+@rule("pd-disaggregation", "PD: prefill and decode workers behind `dsaserve router`.")
+def _pd(lay: Layout) -> str | None:
+    role = lay.request.pd
+    if role not in ("prefill", "decode"):
+        return None
+    lay.flags["--disaggregation-mode"] = role
+    return f"{role} worker"
+
+
+@rule("hicache", "HiCache: host KV tier of --hicache-ratio 2 x the device pool (indexer keys too).")
+def _hicache(lay: Layout) -> str | None:
+    if not lay.request.hicache:
+        return None
+    lay.flags.update({"--enable-hierarchical-cache": None, "--hicache-ratio": "2"})
+    return "--hicache-ratio 2"
+
+
+# (precision, hardware or None, multi-node or None) -> --mem-fraction-static; first match wins
+MEM_FRACTIONS: list[tuple[str | None, str | None, bool | None, float]] = [
+    ("nvfp4", None, None, 0.85),
+    (None, "GB300", None, 0.85),  # 4-GPU node: higher than the 8-GPU FP8 start
+    ("bf16", None, True, 0.85),
+    ("bf16", "B300", False, 0.9),
+    (None, None, None, 0.8),  # FP8 on an 8-GPU node (H200 TP8)
+]
+
+
+@rule(
+    "mem-fraction",
+    "--mem-fraction-static: FP8 starts at 0.8 on 8-GPU nodes (H200 TP8), 0.85 on GB300 TP4; "
+    "BF16 0.9 on 8xB300, 0.85 multi-node; NVFP4 0.85.",
+)
+def _mem_fraction(lay: Layout) -> str:
+    if lay.request.mem_fraction_static is not None:
+        lay.mem_fraction = lay.request.mem_fraction_static
+        return f"{lay.mem_fraction} (asked)"
+    multi_node = lay.nodes > 1
+    lay.mem_fraction = next(
+        value
+        for precision, hw, multi, value in MEM_FRACTIONS
+        if precision in (None, lay.model.precision)
+        and hw in (None, lay.hardware.name)
+        and multi in (None, multi_node)
+    )
+    return str(lay.mem_fraction)
+
+
+# ---------------------------------------------------------------- checks
+
+
+@rule("layout-divides", "Heads divide by attention-TP, experts by EP, MoE width by TP.")
+def _divides(lay: Layout) -> str | None:
+    m = lay.model
+    pairs = [
+        ("attention heads", m.num_attention_heads, "attention-TP", lay.attn_tp),
+        ("routed experts", m.n_routed_experts, "EP", lay.ep),
+        ("moe_intermediate_size", m.moe_intermediate_size, "TP/EP", lay.tp // lay.ep),
+    ]
+    for what, size, by, parts in pairs:
+        if size % parts:
+            raise Refuse(f"{what} ({size}) do not divide by {by} {parts}")
+    return None
+
+
+@rule("context-fits", "Input + output tokens fit the model's context (max_position_embeddings).")
+def _context(lay: Layout) -> str | None:
+    tokens = lay.request.input_len + lay.request.output_len
+    if tokens > lay.model.max_position_embeddings:
+        limit = lay.model.max_position_embeddings
+        raise Refuse(f"{tokens} tokens a request > the model's context of {limit}")
+    return None
+
+
+@rule("weights-fit", "Weights per GPU fit in --mem-fraction-static of device memory.")
+def _weights_fit(lay: Layout) -> str:
+    r = memory_report(lay)
+    need, budget = r.weight_bytes_per_gpu / GIB, r.budget_bytes_per_gpu / GIB
+    where = f"{lay.nodes}x{lay.hardware.gpus_per_node}x{lay.hardware.name} at TP{lay.tp}"
+    if not r.weights_fit:
+        raise Refuse(
+            f"{r.precision.upper()} weights need {need:.1f} GiB per GPU on {where}, over the "
+            f"{lay.mem_fraction} x {lay.hardware.memory_gib} GiB = {budget:.1f} GiB budget"
+        )
+    return f"{need:.1f} of {budget:.1f} GiB per GPU"
+
+
+@rule("kv-fits", "One rank's KV pool holds at least one request (input + output tokens).")
+def _kv_fits(lay: Layout) -> str:
+    r = memory_report(lay)
+    if r.tokens_per_rank < r.tokens_per_request:
+        raise Refuse(
+            f"the KV pool holds {r.tokens_per_rank} tokens a rank, fewer than one request "
+            f"of {r.tokens_per_request}"
+        )
+    return f"{r.tokens_per_rank} tokens a rank"
