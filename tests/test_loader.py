@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -446,11 +447,22 @@ def test_fp8_without_scale_is_named(family, fused_dir, tmp_path) -> None:
         load_into_fresh(fp8_dir, family)
 
 
-def test_quantize_script(fused_dir, tmp_path) -> None:
+def test_quantize_script(tmp_path, capsys) -> None:
+    src, dst = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa"}))
+    weight = torch.randn(80, 70)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    save_file({name: weight, "model.norm.weight": torch.ones(70)}, str(src / "model.safetensors"))
     script = str(REPO / "scripts" / "quantize_fp8.py")
-    run = [sys.executable, script, str(fused_dir), str(tmp_path / "out"), "--block", "64"]
+    run = [sys.executable, script, str(src), str(dst), "--block", "64"]
     done = subprocess.run(run, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    again = subprocess.run(run, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 1 and "not empty" in again.stderr
+    config = json.loads((dst / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [64, 64]
+    with safe_open(str(dst / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(name + "_scale_inv").shape == (2, 2)
+        assert f.get_tensor("model.norm.weight").dtype == torch.float32
+    main = runpy.run_path(script)["main"]
+    assert main([str(src), str(dst)]) == 1
+    assert "not empty" in capsys.readouterr().err
