@@ -29,6 +29,7 @@ from dsaserve.bench.datasets import (
     shared_prefix_requests,
 )
 from dsaserve.bench.metrics import percentile
+from dsaserve.bench.serving import BenchError, run
 from dsaserve.bench.serving import main as bench_main
 
 FAKE_SERVER = Path(__file__).with_name("bench_fake_server.py")
@@ -200,6 +201,16 @@ def test_failed_warmup_exits_nonzero(fake_server, tmp_path):
     _configure(fake_server, fail_every=1)
     argv = ["--base-url", fake_server, "--num-prompts", "2", "--disable-progress"]
     assert bench_main(argv + ["--random-input-len", "8", "--random-output-len", "2"]) == 1
+
+
+def test_run_returns_the_record_for_scripts(fake_server):
+    _configure(fake_server)
+    flags = ["--base-url", fake_server, "--disable-progress", "--random-output-len", "2"]
+    record = run(flags + ["--num-prompts", "2", "--random-input-len", "8"])
+    assert record["completed"] == 2 and record["args"]["num_prompts"] == 2
+    _configure(fake_server, fail_every=1)
+    with pytest.raises(BenchError, match="warmup"):
+        run(flags + ["--num-prompts", "1"])
 
 
 def test_cli_table_output(fake_server, tmp_path):

@@ -13,19 +13,15 @@ import asyncio
 import json
 import math
 import os
-import random
 import sys
-import time
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
 from dsaserve.bench import server_probe
-from dsaserve.bench.backends import BACKENDS, Backend, RequestOptions
-from dsaserve.bench.client import RequestResult, send_request
+from dsaserve.bench.backends import BACKENDS, RequestOptions
+from dsaserve.bench.client import RequestResult
 from dsaserve.bench.datasets import (
     BenchRequest,
     TokenCounter,
@@ -34,8 +30,7 @@ from dsaserve.bench.datasets import (
     shared_prefix_requests,
 )
 from dsaserve.bench.metrics import format_table, summarize
-
-WARMUP_OUTPUT_LEN = 16
+from dsaserve.bench.runner import Runner
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,65 +101,6 @@ def _workload(args: argparse.Namespace, counter: TokenCounter) -> list[BenchRequ
     return random_requests(args.num_prompts, args.random_input_len, *output)
 
 
-async def _arrivals(requests: list[BenchRequest], rate: float, seed: int):
-    """Yield requests at Poisson arrival times (all at once when rate is inf)."""
-    rng = random.Random(seed)
-    for index, request in enumerate(requests):
-        if index and math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-        yield request
-
-
-@dataclass
-class _Runner:
-    """One benchmark run's shared state: the client, the backend and request settings."""
-
-    client: httpx.AsyncClient
-    args: argparse.Namespace
-    base_url: str
-    backend: Backend
-    options: RequestOptions
-    counter: TokenCounter
-
-    async def send(self, request: BenchRequest) -> RequestResult:
-        return await send_request(
-            self.client,
-            self.base_url,
-            self.backend,
-            request,
-            self.options,
-            self.args.timeout,
-            self.counter,
-        )
-
-    async def warmup(self, request: BenchRequest) -> RequestResult:
-        short = BenchRequest(request.prompt, request.prompt_len, WARMUP_OUTPUT_LEN)
-        return await self.send(short)
-
-    async def run(self, requests: list[BenchRequest]) -> tuple[list[RequestResult], float]:
-        limit = self.args.max_concurrency
-        semaphore = asyncio.Semaphore(limit) if limit else None
-        bar = tqdm(total=len(requests), disable=self.args.disable_progress, file=sys.stderr)
-
-        async def one(request: BenchRequest) -> RequestResult:
-            if semaphore is None:
-                result = await self.send(request)
-            else:
-                async with semaphore:
-                    result = await self.send(request)
-            bar.update(1)
-            return result
-
-        start = time.perf_counter()
-        tasks = []
-        async for request in _arrivals(requests, self.args.request_rate, self.args.seed):
-            tasks.append(asyncio.create_task(one(request)))
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
-        return list(results), duration
-
-
 def _hint(result: RequestResult) -> str:
     if "ignore_eos" in result.error:  # e.g. transformers serve answers 422 to unknown fields
         return "\nhint: this server rejects ignore_eos; rerun with --disable-ignore-eos"
@@ -176,7 +112,11 @@ def _details(results: list[RequestResult]) -> list[dict[str, Any]]:
     return [{name: getattr(r, name) for name in fields} | {"itl": r.itl} for r in results]
 
 
-async def _bench(args: argparse.Namespace, base_url: str) -> int:
+class BenchError(Exception):
+    """The run cannot start: no model name, or the warmup request failed."""
+
+
+async def _bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout)
@@ -184,33 +124,21 @@ async def _bench(args: argparse.Namespace, base_url: str) -> int:
         info = await server_probe.server_info(client, base_url)
         model = args.model or await server_probe.served_model(client, base_url)
         if model is None and args.backend != "generate":
-            print(f"error: no model from {base_url}/v1/models; pass --model", file=sys.stderr)
-            return 1
+            raise BenchError(f"no model from {base_url}/v1/models; pass --model")
         counter = _token_counter(args, info)
         requests = _workload(args, counter)
         options = RequestOptions(model, not args.disable_ignore_eos, args.extra_request_body)
         backend = BACKENDS[args.backend]()
-        runner = _Runner(client, args, base_url, backend, options, counter)
+        runner = Runner(client, base_url, backend, options, counter, args.timeout)
         for _ in range(args.warmup_requests):
             warm = await runner.warmup(requests[0])
             if not warm.success:
-                print(f"error: warmup request failed: {warm.error}{_hint(warm)}", file=sys.stderr)
-                return 1
-        results, duration = await runner.run(requests)
+                raise BenchError(f"warmup request failed: {warm.error}{_hint(warm)}")
+        results, duration = await runner.run(
+            requests, args.request_rate, args.max_concurrency, args.seed, not args.disable_progress
+        )
         accept = server_probe.accept_length(await server_probe.server_info(client, base_url))
-    report = summarize(results, duration, accept)
-    header = {
-        "Backend": args.backend,
-        "Model": model,
-        "Dataset": args.dataset,
-        "Traffic request rate": args.request_rate,
-        "Max request concurrency": args.max_concurrency,
-        "Tokenizer": counter.source or "chars/4 estimate",
-    }
-    print(format_table(report, header))
-    if args.output_file:
-        _write_json(args, report, header, results)
-    return 0
+    return _record(args, model, counter, summarize(results, duration, accept), results)
 
 
 def _public_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,40 +151,71 @@ def _json_number(value: Any) -> Any:
     return str(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def _write_json(
+def _record(
     args: argparse.Namespace,
+    model: str | None,
+    counter: TokenCounter,
     report: dict[str, Any],
-    header: dict[str, Any],
     results: list[RequestResult],
-) -> None:
+) -> dict[str, Any]:
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "backend": args.backend,
-        "model": header["Model"],
+        "model": model,
         "dataset_name": args.dataset,
         "request_rate": _json_number(args.request_rate),
         "max_concurrency": args.max_concurrency,
-        "tokenizer": header["Tokenizer"],
+        "tokenizer": counter.source or "chars/4 estimate",
         **report,
         "args": _public_args(args),
     }
     if args.output_details:
         record["requests"] = _details(results)
-    with open(args.output_file, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `dsaserve bench`; returns the process exit code."""
+def run(argv: list[str]) -> dict[str, Any]:
+    """Run one benchmark from `dsaserve bench` flags and return its JSON record (no printing).
+
+    Raises SystemExit on bad flags, ValueError on a tokenizer that cannot be loaded, and
+    BenchError when the run cannot start. Scripts such as bench/side_by_side.py use this.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(parser, args)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    return asyncio.run(_bench(args, base_url))
+
+
+def _table(record: dict[str, Any]) -> str:
+    header = {
+        "Backend": record["backend"],
+        "Model": record["model"],
+        "Dataset": record["dataset_name"],
+        "Traffic request rate": record["request_rate"],
+        "Max request concurrency": record["max_concurrency"],
+        "Tokenizer": record["tokenizer"],
+    }
+    return format_table(record, header)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `dsaserve bench`: print the table, append JSON; return the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        return asyncio.run(_bench(args, base_url))
+        record = run(argv)
     except ValueError as exc:  # a tokenizer that cannot be loaded
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(_table(record))
+    output_file = record["args"]["output_file"]
+    if output_file:
+        with open(output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
