@@ -236,3 +236,29 @@ def test_state_rejects_unresolved_params():
 def test_logits_and_states_must_match():
     with pytest.raises(ValueError, match="do not match"):
         Sampler()(torch.zeros(2, 5), [make_state(vocab=5)])
+
+
+def test_non_contiguous_logits_give_the_same_tokens():
+    logits = torch.randn(40, 6, generator=torch.Generator().manual_seed(5)).t()  # [6, 40] view
+
+    def states() -> list[SamplingState]:
+        kw = {"temperature": 0.8, "repetition_penalty": 1.2}
+        return [make_state([1, 2], vocab=40, seed=i, **kw) for i in range(6)]
+
+    contiguous = Sampler()(logits.contiguous(), states()).token_ids
+    assert Sampler()(logits, states()).token_ids == contiguous
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sampling_matches_cpu_greedy_and_is_batch_independent():
+    logits = torch.randn(16, 4000, generator=torch.Generator().manual_seed(6))
+    greedy = [make_state(vocab=4000, temperature=0.0, presence_penalty=0.5) for _ in range(16)]
+    for state in greedy:
+        state.append(int(logits[0].argmax()))
+    assert Sampler()(logits.cuda(), greedy).token_ids == Sampler()(logits, greedy).token_ids
+    seeded = make_state(vocab=4000, temperature=1.0, top_p=0.9, seed=11)
+    batch = [make_state(vocab=4000, temperature=1.0) for _ in range(16)]
+    batch[5] = seeded
+    alone = Sampler()(logits[5:6].cuda(), [seeded]).token_ids[0]
+    assert Sampler(seed=3)(logits.cuda(), batch).token_ids[5] == alone

@@ -2,8 +2,8 @@
 
 Order per row (SGLang/vLLM/OpenAI conventions): repetition penalty (HF style, prompt + output),
 frequency and presence penalties (OpenAI style, output only), min_tokens masking, then either
-argmax (greedy) or temperature → top-k → top-p → min-p and an exponential-race draw.
-Logprobs always come from the raw logits.
+argmax (greedy) or temperature → top-k → top-p → min-p and an inverse-CDF draw from one
+uniform per row. Logprobs always come from the raw logits.
 """
 
 from __future__ import annotations
@@ -101,8 +101,7 @@ class Sampler:
     """
 
     def __init__(self, seed: int = 0) -> None:
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generator = torch.Generator().manual_seed(seed)  # CPU: one scalar per row
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
         if logits.dim() != 2 or logits.shape[0] != len(states):
@@ -113,7 +112,8 @@ class Sampler:
         if all(_plain_greedy(s) for s in states):
             token_ids = logits.argmax(dim=-1).tolist()
         else:
-            token_ids = self._sample(logits.to(torch.float32, copy=True), states)
+            work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+            token_ids = self._sample(work, states)
         return SampleResult(token_ids, _logprobs(logits, token_ids, states))
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -130,11 +130,7 @@ class Sampler:
 
     def _uniforms(self, states: list[SamplingState], device: torch.device) -> torch.Tensor:
         """One U[0, 1) per row: from (seed, step) when seeded, else from the shared generator."""
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-            self._generators[device].manual_seed(self._seed)
-        gen = self._generators[device]
-        values = torch.rand(len(states), generator=gen, device=device, dtype=torch.float64).tolist()
+        values = torch.rand(len(states), generator=self._generator, dtype=torch.float64).tolist()
         for j, state in enumerate(states):
             if state.params.seed is not None:
                 values[j] = step_seed(state.params.seed, len(state.output_ids)) / 2.0**63
@@ -211,7 +207,8 @@ def _top_k(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
 
 
 def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Keep the smallest best-first set whose probability reaches top_p (at least one token).
+    """Keep the smallest best-first set whose probability reaches top_p (at least one token);
+    tokens tied with the last one kept are kept too.
 
     Sorting the whole vocabulary is the slow part, so the nucleus is first looked for among the
     best _NUCLEUS_CANDIDATES tokens, which is exact whenever their mass already reaches top_p.
