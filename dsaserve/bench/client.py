@@ -172,6 +172,8 @@ async def send_request(
         failure = (type(exc).__name__, str(exc))
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError) as exc:
         failure = ("bad frame", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # anything else still ends this request, never the run
+        failure = (f"client error {type(exc).__name__}", str(exc))
     if failure is not None:
         return _failure(request, *failure)
     return tracker.result(request, time.perf_counter(), counter)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 CHARS_PER_TOKEN = 4  # the rough estimate used when no tokenizer is available
+_MAX_FIT_ROUNDS = 8
 
 _WORDS = (
     "the of and to in is was that for on as with by at from his an were are which this be "
@@ -93,11 +94,18 @@ def _random_token_text(rng: random.Random, num_tokens: int, tokenizer: Any) -> t
         token_id = rng.randrange(vocab_size)
         if token_id not in special:
             ids.append(token_id)
-    # Decoding then encoding can merge or split tokens: re-encode, cut to length, decode again.
+    # Decoding then encoding can merge or split tokens (a cut multi-byte character becomes a
+    # 3-byte U+FFFD): re-encode and cut until the text reads as at most `num_tokens` tokens.
     text = tokenizer.decode(ids, skip_special_tokens=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return text, len(tokenizer.encode(text, add_special_tokens=False))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    keep = num_tokens
+    for _ in range(_MAX_FIT_ROUNDS):
+        text = tokenizer.decode(ids[:keep], skip_special_tokens=True)
+        measured = len(tokenizer.encode(text, add_special_tokens=False))
+        if measured <= num_tokens:
+            break
+        keep -= measured - num_tokens
+    return text, measured
 
 
 def random_requests(
