@@ -62,15 +62,23 @@ def plan(request: PlanRequest) -> Plan:
         try:
             layout = apply_rules(Layout(request, model, hardware, nodes))
         except Refusal as refusal:
-            first_refusal = first_refusal or refusal
+            if first_refusal is None:
+                first_refusal = refusal
+            elif refusal.rule not in MEMORY_RULES:  # name what blocks the bigger layout too
+                more = f"; on {nodes} nodes: [{refusal.rule}] {refusal.reason}"
+                raise Refusal(first_refusal.rule, first_refusal.reason + more) from None
             if refusal.rule not in MEMORY_RULES:
                 break
             continue
-        commands = serve_commands(layout)
-        if request.pd in ("prefill", "decode"):
-            commands.append(router_command(request.port))
-        return Plan(request, layout, memory_report(layout), commands)
+        return _finish(request, layout)
     raise first_refusal  # type: ignore[misc]  # set: the loop runs at least once
+
+
+def _finish(request: PlanRequest, layout: Layout) -> Plan:
+    commands = serve_commands(layout)
+    if request.pd in ("prefill", "decode"):
+        commands.append(router_command(request.port))
+    return Plan(request, layout, memory_report(layout), commands)
 
 
 def _alternatives(request: PlanRequest) -> Iterator[PlanRequest]:
