@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dsaserve.layers.sampler import Sampler, SamplingState, _apply_penalties
+from dsaserve.layers.sampler import Sampler, SamplingState, _apply_penalties, _top_p
 from dsaserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -116,6 +116,28 @@ def test_top_p_falls_back_to_a_full_sort_for_flat_distributions():
     counts = sample_counts(probs, draws=2000, temperature=1.0, top_p=0.5)
     assert len(counts) > 300
     assert max(counts) < 1000  # tokens are kept up to the cutoff tie, i.e. everything
+
+
+def naive_top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference nucleus over the full sort: keep tokens until the mass reaches top_p."""
+    kept, mass = torch.zeros_like(row, dtype=torch.bool), 0.0
+    for value, index in zip(*row.sort(descending=True)):
+        if mass >= top_p:
+            kept |= row == row[kept].min()  # ties with the last kept token stay
+            break
+        kept[index], mass = True, mass + value.item()
+    return kept
+
+
+@pytest.mark.parametrize("scale", [0.1, 1.0, 4.0, 12.0])
+def test_top_p_fast_candidates_match_a_full_sort(scale):
+    gen = torch.Generator().manual_seed(int(scale * 10))
+    probs = (torch.randn(6, 3000, generator=gen, dtype=torch.float64) * scale).softmax(-1)
+    top_ps = [0.3, 0.5, 0.9, 0.95, 0.99, 1.0]
+    got = _top_p(probs, torch.tensor(top_ps, dtype=torch.float64).unsqueeze(1)) > 0
+    for row, top_p in enumerate(top_ps):
+        want = naive_top_p(probs[row], top_p) if top_p < 1 else torch.ones(3000, dtype=torch.bool)
+        assert torch.equal(got[row], want), (scale, top_p)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])

@@ -181,7 +181,9 @@ def _mask_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p over [S, V] fp32 logits; returns unnormalised probs."""
     device, vocab = logits.device, logits.shape[1]
-    logits = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        logits = logits / torch.tensor(temperatures, device=device).unsqueeze(1)
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_ks) < vocab:
         logits = _top_k(logits, top_ks)
@@ -214,7 +216,7 @@ def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     best _NUCLEUS_CANDIDATES tokens, which is exact whenever their mass already reaches top_p.
     """
     candidates = probs.topk(min(_NUCLEUS_CANDIDATES, probs.shape[1]), dim=-1).values
-    if not bool((candidates.sum(-1, keepdim=True) >= top_ps).all()):
+    if not bool(((candidates.sum(-1, keepdim=True) >= top_ps) | (top_ps >= 1.0)).all()):
         candidates = probs.sort(dim=-1, descending=True).values
     mass_before = candidates.cumsum(dim=-1) - candidates
     kept = (mass_before < top_ps).sum(-1, keepdim=True).clamp_min(1)  # [S, 1]
@@ -226,8 +228,10 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Per row, the first token whose cumulative probability exceeds u × total (never p = 0)."""
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1) * cdf[:, -1:], right=True).squeeze(1)
-    # u × total can round up to total: past the end, fall back to the likeliest token.
-    return torch.where(chosen < probs.shape[1], chosen, probs.argmax(dim=-1))
+    past_end = chosen >= probs.shape[1]  # u × total rounded up to total
+    if bool(past_end.any()):
+        chosen = torch.where(past_end, probs.argmax(dim=-1), chosen)
+    return chosen
 
 
 def _logprobs(
