@@ -1,0 +1,134 @@
+"""Anthropic Messages request -> OpenAI chat request (one pipeline, two envelopes).
+
+System text (string or blocks) leads; `tool_use` becomes `tool_calls`; `tool_result` becomes a
+`tool` message (text before it in the same message is sent first, so order holds); `thinking`
+blocks become the assistant's `reasoning_content`; `cache_control` is ignored, and Claude Code's
+volatile `x-anthropic-billing-header` system block is dropped, so the prompt prefix stays
+cacheable (field reports D27, D28).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from dsaserve.server.anthropic.protocol import Block, MessagesRequest
+from dsaserve.server.errors import bad_request
+
+BILLING_HEADER = "x-anthropic-billing-header"
+SERVER_TOOL_PREFIXES = ("web_search_", "computer_", "bash_", "text_editor_", "code_execution_")
+EFFORT = {"xhigh": "max"}
+
+
+def to_chat_request(req: MessagesRequest) -> dict:
+    """The OpenAI chat request body equivalent to an Anthropic Messages request."""
+    messages: list[dict] = []
+    system = _system_text(req.system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, message in enumerate(req.messages):
+        messages += _convert(message.role, message.content, f"messages[{i}].content")
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_tokens,
+        "stop": req.stop_sequences, "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k, "stream": req.stream,
+    }  # fmt: skip
+    tools = [t for t in req.tools or [] if not _is_server_tool(t.type)]
+    if tools:
+        body["tools"] = [_tool(t) for t in tools]
+    if req.tool_choice:
+        body["tool_choice"] = _tool_choice(req.tool_choice, bool(tools))
+    kwargs: dict[str, Any] = {}
+    if req.thinking is not None:
+        kwargs["enable_thinking"] = req.thinking.get("type") != "disabled"
+    effort = (req.output_config or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = EFFORT.get(effort, effort)
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def _system_text(system: str | list[Block] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    texts = [b.text or "" for b in system if b.type == "text"]
+    return "\n".join(t for t in texts if not t.lstrip().startswith(BILLING_HEADER))
+
+
+def _convert(role: str, content: str | list[Block], param: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if role == "assistant":
+        return [_assistant(content, param)]
+    out: list[dict] = []
+    texts: list[str] = []
+    for j, block in enumerate(content):
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "tool_result" and role == "user":
+            if texts:
+                out.append({"role": role, "content": "".join(texts)})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+                        "content": _result_text(block.content)})  # fmt: skip
+        elif block.type in ("image", "document"):
+            raise bad_request(f"{block.type} blocks are not supported", f"{param}[{j}]")
+        else:
+            raise bad_request(f"unexpected block type '{block.type}' for {role}", f"{param}[{j}]")
+    if texts or not out:
+        out.append({"role": role, "content": "".join(texts)})
+    return out
+
+
+def _assistant(blocks: list[Block], param: str) -> dict:
+    texts, thinking, calls = [], [], []
+    for j, block in enumerate(blocks):
+        if block.type == "text":
+            texts.append(block.text or "")
+        elif block.type == "thinking":
+            thinking.append(block.thinking or "")
+        elif block.type == "tool_use":
+            if not isinstance(block.input, dict):
+                raise bad_request("tool_use input must be an object", f"{param}[{j}].input")
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name or "",
+                                       "arguments": json.dumps(block.input)}})  # fmt: skip
+        elif block.type == "redacted_thinking":
+            raise bad_request("redacted_thinking blocks are not supported", f"{param}[{j}]")
+        else:
+            raise bad_request(f"unexpected block type '{block.type}' for assistant", param)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        message["reasoning_content"] = "".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _result_text(content: str | list[Block] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(b.text or "" for b in content if b.type == "text")
+
+
+def _is_server_tool(kind: str | None) -> bool:
+    return kind is not None and kind != "custom" and kind.startswith(SERVER_TOOL_PREFIXES)
+
+
+def _tool(tool: Any) -> dict:
+    schema = tool.input_schema or {"type": "object", "properties": {}}
+    function = {"name": tool.name, "description": tool.description, "parameters": schema}
+    return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _tool_choice(choice: dict, has_tools: bool) -> Any:
+    kind = choice.get("type")
+    if kind in ("any", "tool") and not has_tools:
+        raise bad_request(f"tool_choice '{kind}' needs at least one custom tool", "tool_choice")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name", "")}}
+    mapping = {"auto": "auto", "any": "required", "none": "none"}
+    if kind not in mapping:
+        raise bad_request(f"unknown tool_choice type '{kind}'", "tool_choice.type")
+    return mapping[kind]

@@ -1,0 +1,160 @@
+"""The engine process: receive requests over ZMQ, run `engine.step()`, send outputs back.
+
+It polls without blocking while the engine has work and blocks (briefly, to notice a dead parent)
+when idle. Admission control (`--max-queued-requests`) happens here, where the queue is. A step
+that exceeds `--watchdog-timeout` or any engine exception ends the process; the API process sees
+the death and answers 503.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from dsaserve.args import ServerArgs
+from dsaserve.server import ipc
+
+IDLE_POLL_MS = 200
+
+
+def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
+    """Entry point of the spawned engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(paths.to_engine)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(paths.from_engine)
+    try:
+        engine = build_engine(args)
+    except Exception as e:  # report, do not hang the API process
+        outbox.send(ipc.encode(ipc.Fatal(f"engine failed to start: {type(e).__name__}: {e}")))
+        traceback.print_exc()
+        outbox.close(linger=2000)
+        sys.exit(1)
+    outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
+    code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
+    outbox.close(linger=2000)
+    inbox.close(linger=0)
+    sys.exit(code)
+
+
+def build_engine(args: ServerArgs) -> Any:
+    """The engine; `DSASERVE_TEST_ENGINE=scripted` / `DSASERVE_TEST_SCRIPTS` are test hooks."""
+    from dsaserve.server.scripted_engine import ScriptedEngine, load_scripts
+
+    scripts = load_scripts(os.environ.get("DSASERVE_TEST_SCRIPTS"))
+    if os.environ.get("DSASERVE_TEST_ENGINE") == "scripted":
+        return ScriptedEngine(args, scripts, real=None)
+    from dsaserve.engine.engine import Engine
+
+    engine = Engine(args)
+    return ScriptedEngine(args, scripts, real=engine) if scripts else engine
+
+
+def engine_info(engine: Any) -> dict:
+    return {
+        "pid": os.getpid(),
+        "context_length": int(
+            getattr(engine, "context_length", engine.model_config.context_length)
+        ),
+        "generation_defaults": dict(engine.generation_defaults or {}),
+        "stats": engine.stats(),
+    }
+
+
+class EngineLoop:
+    """Message handling and stepping; `run()` returns the process exit code."""
+
+    def __init__(self, engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent: int) -> None:
+        self.engine = engine
+        self.args = args
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent = parent
+        self.step_started: float | None = None
+        self.stopping = False
+
+    def run(self) -> int:
+        threading.Thread(target=self._watchdog, daemon=True).start()
+        try:
+            while not self.stopping and os.getppid() == self.parent:
+                self._receive(0 if self.engine.has_work() else IDLE_POLL_MS)
+                if self.engine.has_work() and not self.stopping:
+                    self._step()
+            return 0
+        except Exception as e:
+            traceback.print_exc()
+            self._send(ipc.Fatal(f"engine error: {type(e).__name__}: {e}"))
+            return 1
+
+    def _step(self) -> None:
+        self.step_started = time.monotonic()
+        outputs = self.engine.step()
+        self.step_started = None
+        if outputs:
+            self._send(ipc.Outputs(list(outputs)))
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(ipc.decode_to_engine(data))
+
+    def _handle(self, message: ipc.ToEngine) -> None:
+        if isinstance(message, ipc.Submit):
+            self._admit(message.requests)
+        elif isinstance(message, ipc.Abort):
+            finals = [self.engine.abort(rid) for rid in message.rids]
+            if any(finals):
+                self._send(ipc.Outputs([f for f in finals if f is not None]))
+        elif isinstance(message, ipc.Control):
+            self._send(ipc.ControlReply(message.id, self._control(message.op)))
+        elif isinstance(message, ipc.Shutdown):
+            self.stopping = True
+
+    def _admit(self, requests: list) -> None:
+        limit = self.args.max_queued_requests
+        if limit is not None and self.engine.stats().get("num_waiting", 0) + len(requests) > limit:
+            message = f"too many queued requests (--max-queued-requests {limit})"
+            self._send(ipc.Rejected([r.rid for r in requests], message))
+            return
+        for i, request in enumerate(requests):
+            try:
+                self.engine.add_request(request)
+            except ValueError as e:  # input the engine cannot serve: 400, not a crash
+                for added in requests[:i]:
+                    self.engine.abort(added.rid)
+                self._send(ipc.Rejected([r.rid for r in requests], str(e), status=400))
+                return
+
+    def _control(self, op: str) -> Any:
+        if op == "stats":
+            return self.engine.stats()
+        if op == "flush_cache":
+            return bool(self.engine.flush_cache())
+        if op == "info":
+            return engine_info(self.engine)
+        return None
+
+    def _send(self, message: ipc.FromEngine) -> None:
+        self.outbox.send(ipc.encode(message))
+
+    def _watchdog(self) -> None:
+        while True:
+            time.sleep(1.0)
+            started = self.step_started
+            if started is not None and time.monotonic() - started > self.args.watchdog_timeout:
+                print(f"watchdog: a step took over {self.args.watchdog_timeout}s", file=sys.stderr)
+                os._exit(3)

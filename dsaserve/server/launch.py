@@ -1,0 +1,168 @@
+"""`dsaserve serve`: check the flags, start the engine process, serve HTTP until told to stop.
+
+The API process (this one) runs uvicorn and answers `/health` 503 until the engine is ready. On
+SIGTERM or Ctrl-C it drains: new requests get 503, in-flight ones may finish for up to
+`--shutdown-timeout` seconds, the rest are aborted; then the engine process is stopped (and killed
+if it does not stop) so no child is left behind. A second signal skips the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import sys
+import time
+from typing import Any
+
+import uvicorn
+
+from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.server import ipc
+from dsaserve.server.app import build_app
+from dsaserve.server.engine_client import EngineClient
+from dsaserve.server.engine_process import run_engine_process
+from dsaserve.server.metrics import Metrics
+from dsaserve.server.parsers.registry import (
+    ParserConfigError,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+)
+from dsaserve.server.state import ServerState
+from dsaserve.server.tokenizer_manager import TokenizerManager
+
+logger = logging.getLogger("dsaserve.server")
+ENGINE_STOP_TIMEOUT_S = 10.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = ServerArgs.from_cli(argv)
+        tokenizer = load_tokenizer(args)
+    except (ArgsError, ParserConfigError) as e:
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
+    return asyncio.run(serve(args, tokenizer))
+
+
+def load_tokenizer(args: ServerArgs) -> Any:
+    """The checkpoint's tokenizer (and template); checks the parser flags against it."""
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer_path or args.model_path
+    if not os.path.isdir(path):
+        raise ArgsError(f"--model-path {path}: no such checkpoint folder")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)
+    except Exception as e:
+        raise ArgsError(f"cannot load the tokenizer from {path}: {e}") from e
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    resolve_reasoning_parser(args.reasoning_parser, template or "", set(tokenizer.get_vocab()))
+    resolve_tool_parser(args.tool_call_parser, template or "")
+    return tokenizer
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with a drain before exit on the first signal and no re-raised signal after."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or not self.state.ready or self.loop is None:
+            self.should_exit = True
+            self.force_exit = self.state.draining
+            return
+        self.state.draining = True
+        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
+
+    async def drain(self) -> None:
+        deadline = time.monotonic() + self.state.args.shutdown_timeout
+        logger.info("draining %d request(s)", self.state.in_flight)
+        while self.state.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        engine: EngineClient = self.state.engine
+        leftover = engine.in_flight_rids()
+        if leftover:
+            logger.info("aborting %d request(s) after the drain", len(leftover))
+            engine.abort(leftover)
+            await asyncio.sleep(0.2)
+        self.should_exit = True
+
+
+async def serve(args: ServerArgs, tokenizer: Any) -> int:
+    paths = ipc.IpcPaths.fresh()
+    engine = EngineClient(paths)
+    process = start_engine(args, paths)
+    engine.start(process)
+    state = ServerState(args=args, engine=engine)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            log_level=args.log_level, timeout_graceful_shutdown=5,
+                            access_log=args.log_level == "debug")  # fmt: skip
+    server = DrainingServer(config, state)
+    server.loop = asyncio.get_running_loop()
+    serving = asyncio.create_task(server.serve())
+    code = 0
+    try:
+        code = await _become_ready(server, serving, state, tokenizer)
+        if code == 0:
+            await serving
+    finally:
+        server.should_exit = True
+        await asyncio.gather(serving, return_exceptions=True)
+        await stop_engine(engine, process)
+        paths.cleanup()
+    return code
+
+
+async def _become_ready(
+    server: DrainingServer, serving: asyncio.Task, state: ServerState, tokenizer: Any
+) -> int:
+    engine: EngineClient = state.engine
+    try:
+        info = await engine.wait_ready()
+    except Exception as e:
+        print(f"dsaserve serve: error: {e}", file=sys.stderr)
+        return 1
+    state.engine_info = info
+    state.tokenizer_manager = TokenizerManager(state.args, tokenizer, info)
+    state.metrics = Metrics(state.tokenizer_manager.model_name)
+    engine.metrics = state.metrics
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if serving.done():
+        print("dsaserve serve: error: the HTTP server did not start", file=sys.stderr)
+        return 1
+    state.ready = True
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    print(f"dsaserve ready: http://{host}:{port} (model {state.tokenizer_manager.model_name})",
+          flush=True)  # fmt: skip
+    return 0
+
+
+def start_engine(args: ServerArgs, paths: ipc.IpcPaths) -> multiprocessing.process.BaseProcess:
+    context = multiprocessing.get_context("spawn")
+    process = context.Process(
+        target=run_engine_process, args=(args, paths, os.getpid()), name="dsaserve-engine"
+    )
+    process.start()
+    return process
+
+
+async def stop_engine(engine: EngineClient, process: multiprocessing.process.BaseProcess) -> None:
+    """Ask the engine to stop; terminate, then kill, if it does not."""
+    await engine.shutdown()
+    deadline = time.monotonic() + ENGINE_STOP_TIMEOUT_S
+    while process.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if process.is_alive():
+        process.terminate()
+        process.join(3)
+    if process.is_alive():
+        process.kill()
+        process.join(3)
+    engine.close()

@@ -1,0 +1,97 @@
+"""Prometheus metrics (`/metrics`, with `--enable-metrics`), under SGLang's metric names so
+existing dashboards work: TTFT, inter-token latency, end-to-end latency, token counters,
+throughput, running/queued requests, KV usage, cache hit rate, speculative accept length."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dsaserve.engine.io import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class Metrics:
+    """Request-level observations from the API process plus engine gauges at scrape time."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("sglang:time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.itl = Histogram("sglang:inter_token_latency_seconds", "Inter-token latency",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens", labels, registry=r)
+        self.gen_tokens = Counter(
+            "sglang:generation_tokens", "Generated tokens", labels, registry=r
+        )
+        self.requests = Counter("sglang:num_requests", "Finished requests by finish reason",
+                                labels + ["finish_reason"], registry=r)  # fmt: skip
+        gauges = {
+            "num_running_reqs": "Running requests", "num_queue_reqs": "Queued requests",
+            "token_usage": "KV cache usage (0-1)", "cache_hit_rate": "Prefix cache hit rate",
+            "gen_throughput": "Generation throughput (tokens/s)",
+            "spec_accept_length": "Average speculative accept length",
+        }  # fmt: skip
+        self.gauges = {k: Gauge(f"sglang:{k}", h, labels, registry=r) for k, h in gauges.items()}
+        self.model = model_name
+        self.started: dict[str, float] = {}
+        self.last_seen: dict[str, float] = {}
+        self.recent_tokens: deque[tuple[float, int]] = deque()
+
+    def on_submit(self, rid: str) -> None:
+        self.started[rid] = time.monotonic()
+
+    def on_output(self, output: RequestOutput) -> None:
+        now = time.monotonic()
+        started = self.started.get(output.rid)
+        if started is None:
+            return
+        tokens = len(output.token_ids)
+        last = self.last_seen.get(output.rid)
+        if last is None and tokens:
+            self.ttft.labels(self.model).observe(now - started)
+        elif last is not None and tokens:
+            self.itl.labels(self.model).observe((now - last) / tokens)
+        if tokens:
+            self.last_seen[output.rid] = now
+            self.recent_tokens.append((now, tokens))
+        if output.finished:
+            self._finish(output, now - started)
+
+    def _finish(self, output: RequestOutput, elapsed: float) -> None:
+        self.e2e.labels(self.model).observe(elapsed)
+        self.prompt_tokens.labels(self.model).inc(output.prompt_tokens)
+        self.gen_tokens.labels(self.model).inc(output.completion_tokens)
+        reason = (output.finish_reason or {}).get("type", "unknown")
+        self.requests.labels(self.model, reason).inc()
+        self.started.pop(output.rid, None)
+        self.last_seen.pop(output.rid, None)
+
+    def render(self, stats: dict) -> bytes:
+        """The exposition text, with engine gauges refreshed from `stats`."""
+        total = stats.get("kv_total_tokens") or 0
+        values = {
+            "num_running_reqs": stats.get("num_running", 0),
+            "num_queue_reqs": stats.get("num_waiting", 0),
+            "token_usage": (stats.get("kv_used_tokens", 0) / total) if total else 0.0,
+            "cache_hit_rate": stats.get("cache_hit_rate", 0.0) or 0.0,
+            "gen_throughput": self._throughput(),
+            "spec_accept_length": stats.get("avg_spec_accept_length", 0.0) or 0.0,
+        }
+        for name, value in values.items():
+            self.gauges[name].labels(self.model).set(float(value))
+        return generate_latest(self.registry)
+
+    def _throughput(self) -> float:
+        cutoff = time.monotonic() - THROUGHPUT_WINDOW_S
+        while self.recent_tokens and self.recent_tokens[0][0] < cutoff:
+            self.recent_tokens.popleft()
+        return sum(n for _, n in self.recent_tokens) / THROUGHPUT_WINDOW_S

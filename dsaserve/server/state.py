@@ -1,0 +1,22 @@
+"""What the routes share: the flags, the tokenizer manager, the engine client, the metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsaserve.args import ServerArgs
+
+
+@dataclass
+class ServerState:
+    """Mutable server status (ready, draining) plus the long-lived helpers."""
+
+    args: ServerArgs
+    tokenizer_manager: Any = None
+    engine: Any = None
+    metrics: Any = None
+    ready: bool = False
+    draining: bool = False
+    engine_info: dict = field(default_factory=dict)
+    in_flight: int = 0

@@ -1,0 +1,135 @@
+"""Start and stop real `dsaserve serve` subprocesses for the server tests.
+
+`make_server_checkpoint` saves a tiny random GlmMoeDsaForCausalLM whose vocabulary is the embedded
+model's tokenizer (GLM special tokens), with the GLM-5-style template from tests/fixtures.
+`running_server` starts `dsaserve serve --port 0`, waits for its "ready" line, and always stops the
+whole process group (API process and engine) when the block exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsaserve.assets import default_model_path
+
+FIXTURES = Path(__file__).parent / "fixtures"
+READY = re.compile(r"dsaserve ready: (http://\S+)")
+START_TIMEOUT_S = 240
+CONTEXT_LENGTH = 1024
+
+
+def make_server_checkpoint(folder: Path) -> Path:
+    import torch
+    from tiny_models import COMMON
+    from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    embedded = default_model_path()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(embedded / name, folder / name)
+    shutil.copy(FIXTURES / "glm5_chat_template.jinja", folder / "chat_template.jinja")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    torch.manual_seed(0)
+    config = GlmMoeDsaConfig(**{
+        **COMMON, "vocab_size": len(tokenizer), "num_hidden_layers": 2,
+        "max_position_embeddings": CONTEXT_LENGTH, "eos_token_id": eos,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    })  # fmt: skip
+    GlmMoeDsaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def base(self) -> str:
+        return self.url + "/v1"
+
+    def output(self) -> str:
+        return "".join(self.log[-200:])
+
+
+def write_scripts(folder: Path, scripts: dict) -> Path:
+    path = folder / "scripts.json"
+    path.write_text(json.dumps(scripts))
+    return path
+
+
+@contextlib.contextmanager
+def running_server(
+    model: Path, *flags: str, env: dict | None = None, scripts: Path | None = None
+) -> Iterator[Server]:
+    """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    if scripts is not None:
+        full_env["DSASERVE_TEST_SCRIPTS"] = str(scripts)
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
+               "--port", "0", "--max-total-tokens", "4096", "--page-size", "16",
+               *flags]  # fmt: skip
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        start_new_session=True,
+    )  # fmt: skip
+    server = Server("", process)
+    try:
+        server.url = _wait_ready(server)
+        yield server
+    finally:
+        stop_group(process)
+
+
+def _wait_ready(server: Server) -> str:
+    found: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in server.process.stdout:
+            server.log.append(line)
+            match = READY.search(line)
+            if match and not found:
+                found.append(match.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    ready.wait(START_TIMEOUT_S)
+    if not found:
+        raise RuntimeError(f"server did not start:\n{server.output()}")
+    return found[0]
+
+
+def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL whatever is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(5)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
