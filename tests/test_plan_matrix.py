@@ -167,7 +167,7 @@ GOLDEN = {
     ("GB300", "GLM-5.3", "balanced"): (
         "dsaserve serve --model-path zai-org/GLM-5.3 --tp 4 --dp 4 --ep 4 --enable-dp-attention "
         f"--moe-a2a-backend deepep {PARSERS} {MTP_112} --chunked-prefill-size 32768 "
-        f"--mem-fraction-static 0.85 {HOST}"
+        f"--max-running-requests 300 --mem-fraction-static 0.85 {HOST}"
     ),
     ("B300", "GLM-5.3-BF16", "high-throughput"): (
         f"dsaserve serve --model-path zai-org/GLM-5.3-BF16 --tp 8 {PARSERS} "

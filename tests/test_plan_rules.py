@@ -95,6 +95,9 @@ APPLIES: list[tuple[str, PlanRequest, Callable[[Plan], bool]]] = [
      and p.commands[-1].dsaserve.startswith("dsaserve router --pd-disaggregation --prefill ")),
     ("hicache", R(hicache=True),
      lambda p: serve_args(p).enable_hierarchical_cache and serve_args(p).hicache_ratio == 2),
+    ("balanced-max-running", R(recipe="balanced", input_len=4096, output_len=1024),
+     lambda p: serve_args(p).max_running_requests == p.memory.concurrency
+     == p.memory.kv_ranks * (p.memory.tokens_per_rank // 5120)),
     ("mem-fraction", R(hardware="H200"), lambda p: serve_args(p).mem_fraction_static == 0.8),
     ("weights-fit", R(), lambda p: p.memory.weights_fit),
     ("kv-fits", R(), lambda p: p.memory.tokens_per_rank >= 9216),

@@ -15,8 +15,9 @@ class PlanError(ValueError):
 class Hardware:
     """One accelerator model and the node it usually comes in.
 
-    `memory_gib` is the device memory as the driver reports it (GiB), which is what
-    `--mem-fraction-static` is a fraction of; the vendor's figure is in the comment.
+    `memory_gib` is the device memory as PyTorch reports it (the "total capacity" of its
+    out-of-memory message, in GiB), which is what `--mem-fraction-static` is a fraction of;
+    the vendor's figure is in the comment.
     """
 
     name: str
@@ -49,14 +50,14 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     h.name: h
     for h in [
-        Hardware("H100", "nvidia", "hopper", 79.6, 8),  # 80 GB HBM3
-        Hardware("H200", "nvidia", "hopper", 140.4, 8),  # 141 GB HBM3e
-        Hardware("B200", "nvidia", "blackwell", 179.1, 8),  # 180 GB HBM3e (HGX B200)
-        Hardware("B300", "nvidia", "blackwell", 268.6, 8),  # 288 GB HBM3e (2.1 TiB a node)
-        Hardware("GB300", "nvidia", "blackwell", 268.6, 4),  # 288 GB HBM3e, 4 GPUs a tray
-        Hardware("MI300X", "amd", "cdna3", 192.0, 8),  # 192 GB HBM3
-        Hardware("MI325X", "amd", "cdna3", 256.0, 8),  # 256 GB HBM3e
-        Hardware("MI355X", "amd", "cdna4", 288.0, 8),  # 288 GB HBM3e
+        Hardware("H100", "nvidia", "hopper", 79.1, 8),  # 80 GB HBM3
+        Hardware("H200", "nvidia", "hopper", 139.8, 8),  # 141 GB HBM3e
+        Hardware("B200", "nvidia", "blackwell", 178.3, 8),  # 180 GB HBM3e (HGX B200)
+        Hardware("B300", "nvidia", "blackwell", 267.7, 8),  # 288 GB HBM3e (2.1 TiB a node)
+        Hardware("GB300", "nvidia", "blackwell", 267.7, 4),  # 288 GB HBM3e, 4 GPUs a tray
+        Hardware("MI300X", "amd", "cdna3", 191.9, 8),  # 192 GB HBM3
+        Hardware("MI325X", "amd", "cdna3", 255.9, 8),  # 256 GB HBM3e
+        Hardware("MI355X", "amd", "cdna4", 287.9, 8),  # 288 GB HBM3e
         Hardware("CPU", "cpu", "cpu", 16.0, 1),  # host memory; set --device-memory-gib
     ]
 }

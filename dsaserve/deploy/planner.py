@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +32,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         lay = self.layout
-        out: dict[str, Any] = {"ok": True, "request": self.request.__dict__}
+        out: dict[str, Any] = {"ok": True, "request": dataclasses.asdict(self.request)}
         if lay is not None:
             out["layout"] = {
                 "model": lay.model.name, "model_path": lay.model.model_path,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dsaserve.deploy.commands import Command
 from dsaserve.deploy.fit import MemoryReport
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.planner import Plan
@@ -16,8 +17,7 @@ def _gib(n: int) -> str:
 def render_plan(p: Plan) -> str:
     lines = [_headline(p), ""]
     for c in p.commands:
-        where = f" (node {c.node_rank})" if c.role != "router" and _nodes(p) > 1 else ""
-        lines += [f"# {c.role}{where}", c.dsaserve, "# the same line for SGLang:", c.sglang, ""]
+        lines += [_label(p, c), c.dsaserve, "# the same line for SGLang:", c.sglang, ""]
     if p.memory:
         lines += _render_memory(p.memory) + [""]
     if p.rules:
@@ -28,8 +28,9 @@ def render_plan(p: Plan) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _nodes(p: Plan) -> int:
-    return p.layout.nodes if p.layout else 1
+def _label(p: Plan, c: Command) -> str:
+    multi_node = p.layout is not None and p.layout.nodes > 1 and c.role != "router"
+    return f"# {c.role}" + (f" on node {c.node_rank}" if multi_node else "")
 
 
 def _headline(p: Plan) -> str:
@@ -78,5 +79,6 @@ def render_refusal(request: PlanRequest, refusal: Refusal, near: Plan | None) ->
         lines.append("no nearby layout works either")
     else:
         lines += ["", "nearest layout that works:", near.request.command(), ""]
-        lines += [c.dsaserve for c in near.commands]
+        for c in near.commands:
+            lines += [_label(near, c), c.dsaserve]
     return "\n".join(lines) + "\n"

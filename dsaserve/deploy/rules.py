@@ -223,8 +223,7 @@ def _mtp_nextn(lay: Layout) -> str | None:
 
 @rule(
     "speculative",
-    "--speculative auto takes the recipe's MTP; mtp forces it (1/1/2 where the recipe has "
-    "none); none turns drafting off; dflash2 drafts with DFlash2.",
+    "--speculative auto follows the recipe; mtp forces MTP (1/1/2 if the recipe has none).",
 )
 def _speculative(lay: Layout) -> str:
     choice = lay.request.speculative
@@ -371,7 +370,7 @@ def _weights_fit(lay: Layout) -> str:
             f"{r.precision.upper()} weights need {need:.1f} GiB per GPU on {where}, over the "
             f"{lay.mem_fraction} x {lay.hardware.memory_gib} GiB = {budget:.1f} GiB budget"
         )
-    return f"{need:.1f} of {budget:.1f} GiB per GPU"
+    return f"{need:.1f} GiB of {budget:.1f} GiB per GPU"
 
 
 @rule("kv-fits", "One rank's KV pool holds at least one request (input + output tokens).")
@@ -382,4 +381,17 @@ def _kv_fits(lay: Layout) -> str:
             f"the KV pool holds {r.tokens_per_rank} tokens a rank, fewer than one request "
             f"of {r.tokens_per_request}"
         )
-    return f"{r.tokens_per_rank} tokens a rank"
+    return f"{r.tokens_per_rank:,} tokens a rank"
+
+
+@rule(
+    "balanced-max-running",
+    "balanced: --max-running-requests tracks the KV capacity for the given lengths (with MTP "
+    "on, the default would cap it at 48).",
+)
+def _balanced_max_running(lay: Layout) -> str | None:
+    if lay.request.recipe != "balanced":
+        return None
+    concurrency = memory_report(lay).concurrency
+    lay.flags["--max-running-requests"] = str(concurrency)
+    return f"{concurrency} requests of {lay.request.input_len + lay.request.output_len} tokens"
