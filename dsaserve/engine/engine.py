@@ -174,6 +174,20 @@ class Engine:
                 outputs.append(req.take_output())
         return outputs
 
+    def score(self, input_ids: list[int]) -> torch.Tensor:
+        """Logits [len, V] of every position of one sequence (no caching; for checks)."""
+        params = SamplingParams(max_tokens=1).with_defaults({})
+        state = SamplingState(params, input_ids, self.model_config.vocab_size, [])
+        detok = IncrementalDetokenizer(self.tokenizer, input_ids, [], True, False)
+        req = Req("score", list(input_ids), params, state, detok)
+        if not self.scheduler._grow(req, len(input_ids)):
+            raise RuntimeError("not enough free KV to score this sequence")
+        try:
+            scheduled = ScheduledBatch([req], [0], [len(input_ids)])
+            return self.runner.forward(scheduled, all_rows=True)[1]
+        finally:
+            self.pool.pages.free(req.pages)
+
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
         pool, cache = self.pool, self.cache

@@ -17,9 +17,14 @@ class ModelRunner:
         self.pool = pool
         self.device = device
 
-    def forward(self, scheduled: ScheduledBatch) -> tuple[list[int], torch.Tensor]:
-        """Run one step; return the batch indices that produced logits and those logits [R, V]."""
+    def forward(
+        self, scheduled: ScheduledBatch, all_rows: bool = False
+    ) -> tuple[list[int], torch.Tensor]:
+        """Run one step; return the batch indices that produced logits and those logits [R, V]
+        (with `all_rows`, the logits of every computed token instead)."""
         batch, sampled = self.build(scheduled)
+        if all_rows:
+            batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         with forward_context(batch):
             hidden = self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
