@@ -135,3 +135,33 @@ def test_model_path_override_is_printed(capsys):
     assert main(["--model", "GLM-5.3", "--model-path", "/models/glm 5.3"]) == 0
     [line] = serve_lines(capsys.readouterr().out)
     assert parse(line).model_path == "/models/glm 5.3"
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "deploy.md"
+
+
+def doc_examples() -> list[tuple[str, list[str]]]:
+    """Each `$ dsaserve plan ...` line of docs/deploy.md with the serve lines shown under it."""
+    examples: list[tuple[str, list[str]]] = []
+    for line in DOCS.read_text().splitlines():
+        if line.startswith("$ dsaserve plan "):
+            examples.append((line.removeprefix("$ "), []))
+        elif line.startswith("dsaserve serve ") and examples:
+            examples[-1][1].append(line)
+    return examples
+
+
+def test_docs_examples_are_what_the_planner_prints(capsys):
+    examples = doc_examples()
+    assert len(examples) >= 2
+    for command, shown in examples:
+        main(shlex.split(command)[2:])
+        captured = capsys.readouterr()
+        assert shown and shown == serve_lines(captured.out + captured.err), command
+
+
+def test_docs_name_every_rule():
+    from dsaserve.deploy.rules import rule_names
+
+    text = DOCS.read_text()
+    assert [name for name in rule_names() if f"`{name}`" not in text] == []
