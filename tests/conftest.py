@@ -1,0 +1,53 @@
+"""Shared server fixtures: one tiny checkpoint per session and one main server per session.
+
+Other test files may keep their own fixtures in their own modules; these only start processes
+when a test asks for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from server_harness import Server, make_server_checkpoint, running_server, write_scripts
+
+THINK_TOOL = (
+    "The user wants the weather.</think>Let me check.<tool_call>get_weather"
+    "<arg_key>location</arg_key><arg_value>Beijing</arg_value>"
+    "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+)
+SCRIPTS = {
+    "weather": {"text": THINK_TOOL, "chunk": 3},
+    "parallel": {"text": "Two calls.</think><tool_call>get_weather<arg_key>location</arg_key>"
+                 "<arg_value>Paris</arg_value></tool_call><tool_call>get_time</tool_call>",
+                 "chunk": 2},
+    "answer": {"text": "Reasoning here.</think>The answer is 42.", "chunk": 4},
+    "nothink": {"text": "Just the answer, no thinking.", "chunk": 5},
+    "stopseq": {"text": "</think>count: one two STOP three", "chunk": 3},
+    "unknown": {"text": "</think><tool_call>rm_rf<arg_key>path</arg_key><arg_value>/"
+                "</arg_value></tool_call>Done.", "chunk": 4},
+    "typed": {"text": "</think><tool_call>lookup<arg_key>order_id</arg_key><arg_value>12345"
+              "</arg_value><arg_key>count</arg_key><arg_value>7</arg_value><arg_key>express"
+              "</arg_key><arg_value>true</arg_value></tool_call>", "chunk": 1},
+}  # fmt: skip
+MAX_REQUEST_BYTES = 200_000
+
+
+@pytest.fixture(scope="session")
+def server_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_server_checkpoint(tmp_path_factory.mktemp("server_ckpt"))
+
+
+@pytest.fixture(scope="session")
+def scripts_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_scripts(tmp_path_factory.mktemp("scripts"), SCRIPTS)
+
+
+@pytest.fixture(scope="session")
+def main_server(server_checkpoint: Path, scripts_path: Path) -> Iterator[Server]:
+    """The real engine (random weights) plus scripted outputs for `[[script:KEY]]` prompts."""
+    flags = ["--enable-metrics", "--enable-cache-report", "--served-model-name", "glm-test",
+             "--max-request-bytes", str(MAX_REQUEST_BYTES)]  # fmt: skip
+    with running_server(server_checkpoint, *flags, scripts=scripts_path) as server:
+        yield server
