@@ -12,8 +12,7 @@ import pytest
 
 from dsaserve.args import ServerArgs
 from dsaserve.deploy.layout import PlanRequest, Refusal
-from dsaserve.deploy.planner import Plan, nearest, plan
-from dsaserve.deploy.rules import rule_names
+from dsaserve.deploy.planner import RULES, Plan, nearest, plan
 
 # a DSA config small enough to serve on a laptop CPU (fp32, 2 layers, 8 experts, MTP layer)
 TINY_CONFIG = dict(
@@ -148,7 +147,7 @@ def test_rule_refuses(name, request_, resolve):
 
 def test_every_rule_is_stated_as_a_test():
     tested = {name for name, *_ in APPLIES} | {name for name, _ in REFUSES}
-    assert tested == set(rule_names())
+    assert tested == {r.name for r in RULES}
 
 
 def test_rules_that_do_not_apply_are_not_named():

@@ -7,14 +7,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dsaserve.deploy.checks import CHECKS, MEMORY_RULES
 from dsaserve.deploy.commands import Command, router_command, serve_commands
 from dsaserve.deploy.fit import MemoryReport, memory_report
 from dsaserve.deploy.hardware import HARDWARE, get_hardware
 from dsaserve.deploy.layout import RECIPES, AppliedRule, Layout, PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS, load_model
-from dsaserve.deploy.rules import MEMORY_RULES, apply_rules
+from dsaserve.deploy.registry import apply_rules
+from dsaserve.deploy.rules import GUIDE_RULES
 
 AUTO_NODES = (1, 2, 4)
+RULES = [*GUIDE_RULES, *CHECKS]  # the order they run in
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def plan(request: PlanRequest) -> Plan:
     first_refusal = None
     for nodes in (request.nodes,) if request.nodes else AUTO_NODES:
         try:
-            layout = apply_rules(Layout(request, model, hardware, nodes))
+            layout = apply_rules(Layout(request, model, hardware, nodes), RULES)
         except Refusal as refusal:
             if first_refusal is None:
                 first_refusal = refusal

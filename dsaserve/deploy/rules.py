@@ -1,59 +1,18 @@
 """The deployment guide's rules, each encoded once, in the order the planner applies them.
 
-A rule reads and edits a `Layout`. It returns a short detail when it applies (shown in the
-output under its name), None when it does not, or raises `Refuse` when the plan cannot work.
+Layout rules come first (hardware, recipe, context parallelism, speculative decoding, KV cache,
+roles, memory fraction); the fit checks that follow are in `dsaserve.deploy.checks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dsaserve.deploy.layout import Layout, Speculative
+from dsaserve.deploy.registry import Refuse, RuleList
 
-from dsaserve.deploy.fit import memory_report
-from dsaserve.deploy.layout import AppliedRule, Layout, Refusal, Speculative
-
-GIB = 1 << 30
 LOW_LATENCY_MTP = Speculative("EAGLE", 5, 1, 6)
 BALANCED_MTP = Speculative("EAGLE", 1, 1, 2)
-MEMORY_RULES = ("weights-fit", "kv-fits")  # refusals that more nodes can cure
-
-
-class Refuse(Exception):
-    """Raised inside a rule; the planner turns it into a `Refusal` naming the rule."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    text: str
-    apply: Callable[[Layout], str | None]
-
-
-RULES: list[Rule] = []
-
-
-def rule(name: str, text: str) -> Callable:
-    def register(fn: Callable[[Layout], str | None]) -> Callable[[Layout], str | None]:
-        RULES.append(Rule(name, text, fn))
-        return fn
-
-    return register
-
-
-def apply_rules(layout: Layout) -> Layout:
-    """Run every rule in order, recording those that apply; raise `Refusal` on the first veto."""
-    for r in RULES:
-        try:
-            detail = r.apply(layout)
-        except Refuse as e:
-            raise Refusal(r.name, str(e)) from None
-        if detail is not None:
-            layout.applied.append(AppliedRule(r.name, r.text, detail))
-    return layout
-
-
-def rule_names() -> list[str]:
-    return [r.name for r in RULES]
+GUIDE_RULES = RuleList()
+rule = GUIDE_RULES.rule
 
 
 # ---------------------------------------------------------------- hardware and precision
@@ -332,66 +291,3 @@ def _mem_fraction(lay: Layout) -> str:
         and multi in (None, multi_node)
     )
     return str(lay.mem_fraction)
-
-
-# ---------------------------------------------------------------- checks
-
-
-@rule("layout-divides", "Heads divide by attention-TP, experts by EP, MoE width by TP.")
-def _divides(lay: Layout) -> str | None:
-    m = lay.model
-    pairs = [
-        ("attention heads", m.num_attention_heads, "attention-TP", lay.attn_tp),
-        ("routed experts", m.n_routed_experts, "EP", lay.ep),
-        ("moe_intermediate_size", m.moe_intermediate_size, "TP/EP", lay.tp // lay.ep),
-    ]
-    for what, size, by, parts in pairs:
-        if size % parts:
-            raise Refuse(f"{what} ({size}) do not divide by {by} {parts}")
-    return None
-
-
-@rule("context-fits", "Input + output tokens fit the model's context (max_position_embeddings).")
-def _context(lay: Layout) -> str | None:
-    tokens = lay.request.input_len + lay.request.output_len
-    if tokens > lay.model.max_position_embeddings:
-        limit = lay.model.max_position_embeddings
-        raise Refuse(f"{tokens} tokens a request > the model's context of {limit}")
-    return None
-
-
-@rule("weights-fit", "Weights per GPU fit in --mem-fraction-static of device memory.")
-def _weights_fit(lay: Layout) -> str:
-    r = memory_report(lay)
-    need, budget = r.weight_bytes_per_gpu / GIB, r.budget_bytes_per_gpu / GIB
-    where = f"{lay.nodes}x{lay.hardware.gpus_per_node}x{lay.hardware.name} at TP{lay.tp}"
-    if not r.weights_fit:
-        raise Refuse(
-            f"{r.precision.upper()} weights need {need:.1f} GiB per GPU on {where}, over the "
-            f"{lay.mem_fraction} x {lay.hardware.memory_gib} GiB = {budget:.1f} GiB budget"
-        )
-    return f"{need:.1f} GiB of {budget:.1f} GiB per GPU"
-
-
-@rule("kv-fits", "One rank's KV pool holds at least one request (input + output tokens).")
-def _kv_fits(lay: Layout) -> str:
-    r = memory_report(lay)
-    if r.tokens_per_rank < r.tokens_per_request:
-        raise Refuse(
-            f"the KV pool holds {r.tokens_per_rank} tokens a rank, fewer than one request "
-            f"of {r.tokens_per_request}"
-        )
-    return f"{r.tokens_per_rank:,} tokens a rank"
-
-
-@rule(
-    "balanced-max-running",
-    "balanced: --max-running-requests tracks the KV capacity for the given lengths (with MTP "
-    "on, the default would cap it at 48).",
-)
-def _balanced_max_running(lay: Layout) -> str | None:
-    if lay.request.recipe != "balanced":
-        return None
-    concurrency = memory_report(lay).concurrency
-    lay.flags["--max-running-requests"] = str(concurrency)
-    return f"{concurrency} requests of {lay.request.input_len + lay.request.output_len} tokens"
