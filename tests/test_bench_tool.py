@@ -331,3 +331,23 @@ def test_tokenizer_comes_from_server_model_path(fake_server, tmp_path, tiny_toke
 def test_bad_tokenizer_flag_is_an_error(fake_server, tmp_path):
     argv = ["--base-url", fake_server, "--tokenizer", str(tmp_path / "missing")]
     assert bench_main(argv + ["--disable-progress"]) == 2
+
+
+@pytest.mark.parametrize("backend", ["openai-chat", "openai-completions", "generate"])
+def test_against_the_real_server(main_server, tmp_path, backend):
+    """A tiny shared-prefix workload on `dsaserve serve` (random weights): all complete,
+    `ignore_eos` is honoured, the tokenizer comes from /get_server_info, cache hits show."""
+    num, out_len = 6, 4
+    report = _run(
+        main_server.url, tmp_path, "--backend", backend, "--num-prompts", str(num),
+        "--dataset", "shared-prefix", "--num-prefixes", "2", "--prefix-len", "64",
+        "--suffix-len", "8", "--random-output-len", str(out_len), "--max-concurrency", "1",
+        "--timeout", "120",
+    )  # fmt: skip
+    assert (report["completed"], report["failed"]) == (num, 0), report["error_examples"]
+    assert report["total_output_tokens"] == num * out_len
+    assert report["model"] == "glm-test"
+    assert report["tokenizer"] not in (None, "chars/4 estimate")
+    assert report["total_input_tokens"] >= num * 64
+    assert report["cached_token_ratio"] > 0.3  # each prefix is computed once, then reused
+    _assert_stats_ordered(report)
