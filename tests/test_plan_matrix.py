@@ -6,6 +6,8 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsaserve.args import ServerArgs
 from dsaserve.deploy.layout import PlanRequest, Refusal
@@ -186,3 +188,41 @@ def test_golden_commands(hw, model, recipe):
     [command] = plan(PlanRequest(model=model, hardware=hw, recipe=recipe)).commands
     assert command.dsaserve == GOLDEN[hw, model, recipe]
     assert command.sglang == GOLDEN[hw, model, recipe].replace("dsaserve serve", "sglang serve")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    hw=st.sampled_from(["H100", "H200", "B200", "B300", "GB300", "MI300X", "MI325X", "MI355X"]),
+    model=st.sampled_from(["GLM-5.3", "GLM-5.3-BF16", "GLM-5.3-NVFP4", "DeepSeek-V3.2"]),
+    recipe=st.sampled_from(RECIPES),
+    nodes=st.sampled_from([None, 1, 2, 4]),
+    pd=st.sampled_from([None, "prefill", "decode"]),
+    hicache=st.booleans(),
+    cp=st.sampled_from([None, "interleave", "zigzag"]),
+    speculative=st.sampled_from(["auto", "mtp", "none", "dflash2"]),
+    kv=st.sampled_from(["auto", "bf16", "fp8_e4m3"]),
+    input_len=st.sampled_from([1024, 8192, 100_000]),
+)
+def test_any_request_plans_commands_that_parse_or_names_its_refusal(
+    hw, model, recipe, nodes, pd, hicache, cp, speculative, kv, input_len
+):
+    from dsaserve.deploy.planner import RULES
+
+    request = PlanRequest(
+        model=model, hardware=hw, recipe=recipe, nodes=nodes, pd=pd, hicache=hicache,
+        context_parallel=cp, speculative=speculative, kv_cache_dtype=kv, input_len=input_len,
+    )  # fmt: skip
+    try:
+        p = plan(request)
+    except Refusal as refusal:
+        assert refusal.rule in {r.name for r in RULES}
+        p = nearest(request)
+        if p is None:
+            return
+    serve = [c for c in p.commands if c.role != "router"]
+    assert len(serve) == p.layout.nodes
+    for command in serve:
+        args = parse_serve(command.dsaserve)
+        assert args.disaggregation_mode == (p.request.pd or "null")
+        assert args.enable_hierarchical_cache == p.request.hicache
+    assert p.memory.weights_fit and p.memory.concurrency >= 1
