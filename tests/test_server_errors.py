@@ -1,0 +1,109 @@
+"""Bad input gets 400 in OpenAI's error shape naming the field (413 for big bodies), never a 500;
+disconnects at any stage free the request's KV (field reports §4 and I39)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from conftest import MAX_REQUEST_BYTES
+from server_harness import CONTEXT_LENGTH, Server
+
+USER = [{"role": "user", "content": "hi"}]
+BAD_CALL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]  # fmt: skip
+CASES = [
+    # (body, expected param (prefix), expected code)
+    ({"messages": "hello"}, "messages", None),
+    ({"messages": []}, "messages", None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", None),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens", None),
+    ({"messages": USER, "max_tokens": 10**9}, "max_tokens", None),
+    ({"messages": USER, "temperature": "hot"}, "temperature", None),
+    ({"messages": USER, "n": 0}, "n", None),
+    ({"messages": USER, "top_p": 3}, "top_p", None),
+    ({"messages": BAD_CALL}, "messages[1].tool_calls[0].arguments", None),
+    ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "tools[0]", None),
+    ({"messages": USER, "tool_choice": "sometimes"}, "tool_choice", None),
+    ({"messages": [{"role": "user", "content": "hello " * CONTEXT_LENGTH}]}, "messages",
+     "context_length_exceeded"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body,param,code", CASES)
+def test_bad_chat_input(main_server: Server, body: dict, param: str, code: str | None):
+    r = httpx.post(main_server.url + "/v1/chat/completions", json={"model": "m", **body},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(param), error
+    assert error["type"] == "BadRequestError" and error["message"]
+    if code:
+        assert error["code"] == code
+    assert len(r.content) < 2000  # small bodies, inputs not echoed
+
+
+def test_malformed_and_oversized_bodies(main_server: Server):
+    url = main_server.url + "/v1/chat/completions"
+    r = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"[1, 2]")
+    assert r.status_code == 400
+    big = b'{"messages": "' + b"x" * MAX_REQUEST_BYTES + b'"}'
+    assert httpx.post(url, content=big).status_code == 413
+
+    def chunks():  # no content-length: the limit still holds
+        for _ in range(4):
+            yield b"x" * (MAX_REQUEST_BYTES // 2)
+
+    assert httpx.post(url, content=chunks()).status_code == 413
+    many = {"messages": [{"role": "bad", "content": "y" * 50}] * 1000}
+    r = httpx.post(url, json=many)
+    assert r.status_code == 400 and len(r.content) < 2000
+
+
+def test_other_routes_reject_bad_input(main_server: Server):
+    url = main_server.url
+    assert httpx.post(url + "/v1/completions", json={"prompt": ""}).status_code == 400
+    assert (
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "suffix": "y"}).status_code == 400
+    )
+    r = httpx.post(url + "/generate", json={"sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400
+    r = httpx.post(url + "/generate", json={"input_ids": [10**7]})  # engine refuses: 400 too
+    assert r.status_code == 400, r.text
+    r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"top_k": 0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+
+
+def _idle(url: str, baseline: int, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/get_server_info").json()["internal_states"][0]
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
+        if idle and stats["kv_used_tokens"] <= baseline or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def test_disconnects_free_kv(main_server: Server):
+    url = main_server.url
+    baseline = _idle(url, 0, timeout=5)["kv_used_tokens"]
+    body = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}],
+            "max_tokens": 900, "ignore_eos": True}  # fmt: skip
+    for i in range(6):  # mid-stream disconnects
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True},
+                          timeout=60) as r:  # fmt: skip
+            for n, _ in enumerate(r.iter_lines()):
+                if i == 0 and n == 2:  # while it runs, it holds KV
+                    busy = httpx.get(url + "/get_server_info").json()["internal_states"][0]
+                    assert busy["num_running"] == 1 and busy["kv_used_tokens"] > baseline, busy
+                if n >= 2 + i:
+                    break
+    for _ in range(4):  # non-streaming clients that give up (mid-prefill or mid-decode)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.3)
+    stats = _idle(url, baseline, timeout=15)  # 10 x 900 tokens would take far longer
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_used_tokens"] <= baseline
