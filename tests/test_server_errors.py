@@ -11,8 +11,8 @@ from conftest import MAX_REQUEST_BYTES
 from server_harness import CONTEXT_LENGTH, Server
 
 USER = [{"role": "user", "content": "hi"}]
-BAD_CALL = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
-    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}]}]  # fmt: skip
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}
+BAD_CALL = [*USER, {"role": "assistant", "content": "", "tool_calls": [CALL]}]
 CASES = [
     # (body, expected param (prefix), expected code)
     ({"messages": "hello"}, "messages", None),
