@@ -1,0 +1,138 @@
+"""Operational behaviour of real `dsaserve serve` processes: API keys, queue limit (429 with
+Retry-After), /abort_request, SIGTERM drain with no child left, and engine death (errors, /health
+503, never a hang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+from server_harness import Server, group_alive, running_server
+
+KEY = "sk-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+LONG = {"model": "m", "messages": [{"role": "user", "content": "a long story"}],
+        "max_tokens": 900, "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def guarded_server(server_checkpoint: Path) -> Iterator[Server]:
+    flags = ["--api-key", KEY, "--max-running-requests", "1", "--max-queued-requests", "1",
+             "--shutdown-timeout", "60"]  # fmt: skip
+    with running_server(server_checkpoint, *flags) as server:
+        yield server
+
+
+def info(server: Server) -> dict:
+    return httpx.get(server.url + "/get_server_info", headers=AUTH).json()
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_api_key(guarded_server: Server):
+    url = guarded_server.url
+    assert httpx.get(url + "/health").status_code == 200  # health stays open
+    r = httpx.post(url + "/v1/chat/completions", json=LONG | {"max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    assert client.models.list().data
+    message = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.create(
+        model="m", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+    )  # x-api-key
+    assert message.usage.output_tokens == 1
+    r = httpx.post(url + "/v1/messages", json={"model": "m", "max_tokens": 1, "messages": []})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_queue_limit_answers_429(guarded_server: Server):
+    url = guarded_server.url
+    results: dict = {}
+
+    def queued() -> None:
+        body = LONG | {"rid": "queued-b"}
+        results["b"] = httpx.post(
+            url + "/v1/chat/completions", json=body, headers=AUTH, timeout=120
+        )
+
+    body = LONG | {"stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=120) as running:  # fmt: skip
+        lines = running.iter_lines()
+        next(lines)  # A runs (the only running slot)
+        thread = threading.Thread(target=queued)
+        thread.start()
+        wait_for(lambda: info(guarded_server)["internal_states"][0]["num_waiting"] == 1)
+        r = httpx.post(url + "/v1/chat/completions", json=LONG, headers=AUTH, timeout=30)
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["type"] == "RateLimitError"
+    aborted = httpx.post(url + "/abort_request", json={"rid": "queued-b"}, headers=AUTH).json()
+    assert aborted["aborted"] == ["queued-b-0"]
+    thread.join(60)
+    assert results["b"].status_code == 200
+    assert results["b"].json()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_sigterm_drains_then_exits(guarded_server: Server):
+    url = guarded_server.url
+    done: dict = {"lines": []}
+    first = threading.Event()
+
+    def stream() -> None:
+        body = LONG | {"stream": True, "max_tokens": 40}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH,
+                          timeout=120) as r:  # fmt: skip
+            for line in filter(None, r.iter_lines()):
+                done["lines"].append(line)
+                first.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first.wait(60)
+    os.kill(guarded_server.process.pid, signal.SIGTERM)
+    wait_for(lambda: httpx.get(url + "/health").status_code == 503, timeout=10)
+    r = httpx.post(url + "/v1/chat/completions", json=LONG, headers=AUTH)
+    assert r.status_code == 503 and "Retry-After" in r.headers
+    thread.join(120)
+    assert done["lines"][-1] == "data: [DONE]"
+    assert any('"finish_reason": "length"' in line for line in done["lines"])  # finished, not cut
+    assert guarded_server.process.wait(60) == 0
+    wait_for(lambda: not group_alive(guarded_server.process.pid), timeout=10)  # no child left
+
+
+def test_engine_death_fails_fast(server_checkpoint: Path):
+    with running_server(server_checkpoint) as server:
+        url = server.url
+        engine_pid = httpx.get(url + "/get_server_info").json()["engine_pid"]
+        lines: list[str] = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=LONG | {"stream": True},
+                          timeout=30) as r:  # fmt: skip
+            for line in filter(None, r.iter_lines()):
+                lines.append(line)
+                if len(lines) == 2:
+                    os.kill(engine_pid, signal.SIGKILL)
+        assert lines[-1] == "data: [DONE]" and "engine" in lines[-2]
+        assert httpx.get(url + "/health").status_code == 503
+        r = httpx.post(url + "/v1/chat/completions", json=LONG, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(url + "/v1/messages", json={"model": "m", "max_tokens": 5,
+                       "messages": [{"role": "user", "content": "x"}]}, timeout=10)  # fmt: skip
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+        os.kill(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(30) == 0
