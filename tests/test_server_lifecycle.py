@@ -5,7 +5,10 @@ Retry-After), /abort_request, SIGTERM drain with no child left, and engine death
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -136,3 +139,13 @@ def test_engine_death_fails_fast(server_checkpoint: Path):
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
         os.kill(server.process.pid, signal.SIGTERM)
         assert server.process.wait(30) == 0
+
+
+def test_engine_start_failure_exits_with_a_message(tmp_path: Path, server_checkpoint: Path):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(server_checkpoint / name, tmp_path / name)  # no config.json, no weights
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(tmp_path),
+               "--port", "0"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1
+    assert "engine failed to start" in done.stderr

@@ -146,6 +146,18 @@ def test_unknown_tool_dropped_and_tool_choice_none(client: openai.OpenAI):
     assert out.choices[0].finish_reason == "stop"
 
 
+def test_stream_reasoning_false_holds_reasoning(client: openai.OpenAI):
+    chunks = list(client.chat.completions.create(
+        model="m", messages=ask("answer"), stream=True,
+        extra_body={"stream_reasoning": False}))  # fmt: skip
+    reasoning = [
+        c.choices[0].delta.reasoning_content
+        for c in chunks
+        if c.choices and getattr(c.choices[0].delta, "reasoning_content", None)
+    ]
+    assert reasoning == ["Reasoning here."]  # one delta, not streamed piece by piece
+
+
 def test_answer_without_thinking_is_not_lost(client: openai.OpenAI):
     out = client.chat.completions.create(model="m", messages=ask("nothink"))
     assert out.choices[0].message.content == "Just the answer, no thinking."

@@ -156,6 +156,7 @@ async def _stream(
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     usage = Usage()
+    held = ["" for _ in choices]  # reasoning held back when stream_reasoning is false
     try:
         for index in range(len(choices)):
             yield chunk(index, {"role": "assistant", "content": ""})
@@ -164,9 +165,17 @@ async def _stream(
             choice = choices[index]
             logprobs = chat_logprobs(state, output.logprobs or [])
             for delta in _deltas(choice.update(output)):
+                if not req.stream_reasoning and "reasoning_content" in delta:
+                    held[index] += delta["reasoning_content"]
+                    continue
+                if held[index]:
+                    yield chunk(index, {"reasoning_content": held[index]})
+                    held[index] = ""
                 yield chunk(index, delta, logprobs=logprobs)
                 logprobs = None
             if output.finished:
+                if held[index]:
+                    yield chunk(index, {"reasoning_content": held[index]})
                 yield chunk(index, {}, choice.finish_reason, matched_stop=choice.matched)
         options = req.stream_options
         if options is not None and options.include_usage:
