@@ -105,3 +105,16 @@ def test_errors_use_the_anthropic_envelope(main_server: Server, client: anthropi
         {"type": "redacted_thinking", "data": "x"}]}]}  # fmt: skip
     r = httpx.post(main_server.url + "/v1/messages", json=bad)
     assert r.status_code == 400 and "redacted_thinking" in r.json()["error"]["message"]
+
+
+def test_concurrent_thinking_streams(client: anthropic.Anthropic):
+    """Thinking blocks close in a form the SDK accepts, with several cold streams at once (C23)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(_: int) -> list[str]:
+        with client.messages.stream(model="m", max_tokens=100, messages=ask("answer")) as s:
+            return [b.type for b in s.get_final_message().content]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert results == [["thinking", "text"]] * 4
