@@ -303,10 +303,10 @@ class Generator:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         kind = rng.choices(
             ["pct", "mul", "greet", "weather", "time", "search", "nowtool"],
-            weights=[34, 8, 8, 22, 9, 9, 3],
+            weights=[40, 10, 6, 18, 8, 8, 3],
         )[0]
         tools = self._tools_for(kind)
-        turns = 1 + (rng.random() < 0.3)
+        turns = 1 + (rng.random() < 0.25)
         for turn in range(turns):
             k = kind if turn == turns - 1 else rng.choice(["pct", "greet", "weather", "mul"])
             if k in ("weather", "time", "search") and not tools:
@@ -319,7 +319,7 @@ class Generator:
         if kind == "nowtool":
             return None
         need = {"weather": WEATHER_TOOL, "time": TIME_TOOL, "search": SEARCH_TOOL}.get(kind)
-        if need is None and rng.random() < 0.6:
+        if need is None and rng.random() < 0.8:
             return None
         chosen = [t for t in ALL_TOOLS if t is need or rng.random() < 0.5]
         rng.shuffle(chosen)

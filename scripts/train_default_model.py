@@ -1,0 +1,168 @@
+"""Train the embedded default model (glm_moe_dsa + one MTP layer) on synthetic conversations.
+
+Reproducible (seeded) and CPU-sized: about 45 minutes on 2 cores. Stages:
+  1. main model, dense attention, LM loss + indexer KL (DeepSeek-V3.2 dense warm-up);
+  2. main model, DSA top-k on (index_topk), LM loss + indexer KL over the selected tokens;
+  3. MTP layer (main model frozen): predicts token t+2, dense then sparse, with its indexer KL.
+The MoE router uses aux-loss-free balancing (its e_score_correction_bias is nudged toward the
+mean load after each step). Output: config.json + model.safetensors in --out (the tokenizer,
+template and generation_config already live there). Run:
+  python scripts/train_default_model.py --out dsaserve/assets/default_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import default_model_fast as fast
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from default_model_batches import batches, encode  # noqa: E402
+from default_model_data import samples  # noqa: E402
+from default_model_mtp import save_checkpoint, train_mtp  # noqa: E402
+from default_model_tokenizer import MODEL_DIR  # noqa: E402
+
+
+def model_config(tokenizer) -> GlmMoeDsaConfig:
+    ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    return GlmMoeDsaConfig(
+        vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512,
+        moe_intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
+        qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, norm_topk_prob=True,
+        max_position_embeddings=65536, rms_norm_eps=1e-5, first_k_dense_replace=1,
+        index_topk=64, index_head_dim=32, index_n_heads=8,
+        rope_parameters={"rope_theta": 8000000.0, "rope_type": "default"},
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids, pad_token_id=ids[0],
+        num_nextn_predict_layers=1, initializer_range=0.02,
+    )  # fmt: skip
+
+
+def lm_loss(
+    lm_head, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, shift: int = 1
+):
+    """CE of hidden[:, i] predicting input_ids[:, i + shift] where loss_mask marks a target."""
+    chosen = loss_mask[:, shift:].bool()
+    width = chosen.shape[1]
+    logits = lm_head(hidden[:, :width][chosen])
+    return F.cross_entropy(logits.float(), input_ids[:, shift:][chosen])
+
+
+class RouterBalance:
+    """Aux-loss-free MoE balancing: count expert loads through a hook, then nudge the bias."""
+
+    def __init__(self, model: torch.nn.Module, rate: float) -> None:
+        self.rate = rate
+        self.loads: dict[GlmMoeDsaTopkRouter, torch.Tensor] = {}
+        for module in model.modules():
+            if isinstance(module, GlmMoeDsaTopkRouter):
+                module.register_forward_hook(self._count)
+
+    def _count(self, module, args, output):
+        topk = output[2]
+        counts = torch.bincount(topk.flatten(), minlength=module.num_experts).float()
+        self.loads[module] = self.loads.get(module, 0) + counts
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for router, load in self.loads.items():
+            router.e_score_correction_bias += self.rate * torch.sign(load.mean() - load)
+        self.loads.clear()
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(total - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_main(model, stream, args, log) -> None:
+    balance = RouterBalance(model, rate=1e-3)
+    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sparse_from = int(args.steps * args.dense_fraction)
+    start = time.time()
+    model.train()
+    for step in range(args.steps):
+        sparse = step >= sparse_from
+        batch = next(stream)
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        out = fast.forward(model, batch.input_ids, batch.attention_mask, sparse, args.kl_rows)
+        loss = lm_loss(model.lm_head, out.hidden, batch.input_ids, batch.loss_mask)
+        optim.zero_grad(set_to_none=True)
+        (loss + args.kl_weight * out.kl).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        balance.step()
+        if step % 20 == 0 or step == args.steps - 1:
+            log({"stage": "main", "step": step, "sparse": sparse, "lm": round(loss.item(), 4),
+                 "index_kl": round(out.kl.item(), 4), "tokens": batch.input_ids.numel(),
+                 "elapsed_s": round(time.time() - start, 1)})  # fmt: skip
+        if args.save_every and step and step % args.save_every == 0:
+            save_checkpoint(model, None, args.out)
+    model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=MODEL_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train-samples", type=int, default=40000)
+    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--mtp-steps", type=int, default=250)
+    parser.add_argument("--token-budget", type=int, default=6144)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=40)
+    parser.add_argument("--dense-fraction", type=float, default=0.55)
+    parser.add_argument("--kl-weight", type=float, default=1.0)
+    parser.add_argument("--kl-rows", type=int, default=2, help="sequences per batch in the KL")
+    parser.add_argument("--save-every", type=int, default=100)
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    args.out.mkdir(parents=True, exist_ok=True)
+    log_path = args.out / "train_log.jsonl"
+    log_file = log_path.open("w")
+
+    def log(record: dict) -> None:
+        print(json.dumps(record), flush=True)
+        log_file.write(json.dumps(record) + "\n")
+        log_file.flush()
+
+    data = [encode(s, tokenizer) for s in samples(args.seed, "train", args.train_samples)]
+    log({"stage": "data", "examples": len(data), "tokens": sum(len(e.ids) for e in data)})
+    config = model_config(tokenizer)
+    config._attn_implementation = "eager"
+    model = GlmMoeDsaForCausalLM(config)
+    probe = next(batches(data, 1024, random.Random(1), tokenizer.pad_token_id))
+    median, frac_off = fast.check_matches_reference(model, probe.input_ids, probe.attention_mask, 8)
+    log({"stage": "check", "median_abs_logit_diff": median, "fraction_off": frac_off})
+    if median > 1e-4 or frac_off > 0.02:
+        raise SystemExit("the training forward does not match transformers")
+    stream = batches(data, args.token_budget, rng, tokenizer.pad_token_id)
+    train_main(model, stream, args, log)
+    save_checkpoint(model, None, args.out)
+    mtp = train_mtp(model, stream, args, log, lm_loss)
+    save_checkpoint(model, mtp, args.out)
+    log({"stage": "done"})
+
+
+if __name__ == "__main__":
+    main()
