@@ -141,6 +141,65 @@ def _check(args: ServerArgs) -> None:
         raise ArgsError("--cp-strategy interleave does not support DP attention: use --dp 1")
     if args.enable_prefill_cp and args.disaggregation_mode == "decode":
         raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
+    speculative_settings(args)
+
+
+SPEC_DEFAULT_STEPS = 3
+
+
+def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
+    """(num_steps, eagle_topk, num_draft_tokens) with SGLang's defaults for this family (3, 1,
+    4), or None when speculation is off; ArgsError for a combination that cannot work."""
+    steps, topk, drafts = (args.speculative_num_steps, args.speculative_eagle_topk,
+                           args.speculative_num_draft_tokens)  # fmt: skip
+    if args.speculative_algorithm is None:
+        if (steps, topk, drafts) != (None, None, None):
+            raise ArgsError("--speculative-num-steps/-eagle-topk/-num-draft-tokens need "
+                            "--speculative-algorithm EAGLE (or NEXTN)")  # fmt: skip
+        return None
+    if args.speculative_algorithm not in ("EAGLE", "NEXTN"):
+        raise ArgsError(f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
+                        "use EAGLE (or its alias NEXTN), which drafts with the checkpoint's MTP "
+                        "layer")  # fmt: skip
+    topk = 1 if topk is None else topk
+    if topk != 1:
+        raise ArgsError(f"--speculative-eagle-topk {topk}: tree drafting is not supported; use "
+                        "--speculative-eagle-topk 1")  # fmt: skip
+    steps = steps if steps is not None else (drafts - 1 if drafts else SPEC_DEFAULT_STEPS)
+    if steps < 1:
+        raise ArgsError(f"--speculative-num-steps must be >= 1, got {steps}")
+    drafts = steps + 1 if drafts is None else drafts
+    if drafts != steps + 1:
+        raise ArgsError(
+            f"--speculative-num-draft-tokens {drafts} does not match --speculative-num-steps "
+            f"{steps}: with --speculative-eagle-topk 1 it must be steps + 1; set "
+            f"--speculative-num-draft-tokens {steps + 1}"
+        )
+    return steps, topk, drafts
+
+
+def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
+    """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
+    multi = {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
+             "nnodes": args.nnodes, "attn_cp_size": args.attn_cp_size}  # fmt: skip
+    for name, value in multi.items():
+        if value != 1:
+            raise ArgsError(
+                f"--{name.replace('_', '-')} {value}: this build runs one process on one device; "
+                "use 1 (multi-GPU layouts come with the parallelism work)"
+            )
+    features = {
+        "enable_dp_attention": "--enable-dp-attention",
+        "enable_hierarchical_cache": "--enable-hierarchical-cache",
+        "enable_prefill_cp": "--enable-prefill-cp",
+    }
+    for name, flag in features.items():
+        if getattr(args, name):
+            raise ArgsError(f"{flag} is not available in this build yet; drop the flag")
+    if args.disaggregation_mode != "null":
+        raise ArgsError("--disaggregation-mode is not available in this build yet; drop the flag")
+    if args.kv_cache_dtype.startswith("fp8") and device_type == "cpu":
+        raise ArgsError("--kv-cache-dtype fp8_e4m3 needs a GPU; use auto or bf16 on CPU")
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) -> None:

@@ -91,3 +91,19 @@ def test_cli_version_and_help():
     assert run("--version").stdout.strip() == f"dsaserve {__version__}"
     help_text = run("--help").stdout
     assert all(cmd in help_text for cmd in ("serve", "plan", "bench"))
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "8"], "--tp-size 8"),
+        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+        (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+        (["--kv-cache-dtype", "fp8_e4m3"], "needs a GPU"),
+    ],
+)
+def test_unrunnable_flags_refused_at_start(flags, message):
+    from dsaserve.args import refuse_unrunnable
+
+    with pytest.raises(ArgsError, match=message):
+        refuse_unrunnable(ServerArgs.from_cli(flags), "cpu")

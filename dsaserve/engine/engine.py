@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
@@ -39,6 +39,7 @@ class Engine:
     def __init__(self, args: ServerArgs, show_progress: bool = True) -> None:
         self.args = args
         self.device = _device(args.device)
+        refuse_unrunnable(args, self.device.type)
         self._init_config()
         self._init_model(show_progress)
         self._init_pool()
