@@ -107,3 +107,14 @@ def test_disconnects_free_kv(main_server: Server):
     stats = _idle(url, baseline, timeout=15)  # 10 x 900 tokens would take far longer
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["kv_used_tokens"] <= baseline
+
+
+def test_duplicate_rid_is_refused_without_harming_the_first(main_server: Server):
+    url = main_server.url + "/v1/chat/completions"
+    body = {"model": "m", "messages": USER, "max_tokens": 30, "ignore_eos": True, "rid": "dup"}
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as first:
+        lines = filter(None, first.iter_lines())
+        next(lines)
+        second = httpx.post(url, json=body, timeout=60)
+        assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
+        assert list(lines)[-1] == "data: [DONE]"

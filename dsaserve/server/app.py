@@ -114,8 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = str(body.get("rid") or "")
         if not rid and not body.get("abort_all"):
             raise APIError(400, "give rid, or abort_all: true", param="rid")
-        rids = state.engine.in_flight_rids("" if body.get("abort_all") else rid)
-        rids = [r for r in rids if body.get("abort_all") or r == rid or r.startswith(rid + "-")]
+        rids = [r for r in state.engine.in_flight_rids() if body.get("abort_all") or _owns(rid, r)]
         state.engine.abort(rids)
         return {"aborted": rids}
 
@@ -182,6 +181,16 @@ class InFlight:
             await self.app(scope, receive, send)
         finally:
             self.state.in_flight -= 1
+
+
+def _owns(rid: str, engine_rid: str) -> bool:
+    """Whether an engine rid belongs to request `rid` (`rid`, or `rid-<i>[-<j>]` for choices)."""
+    suffix = engine_rid[len(rid) :] if engine_rid.startswith(rid) else None
+    return (
+        suffix is not None
+        and (suffix == "" or suffix.replace("-", "").isdigit())
+        and (suffix == "" or suffix.startswith("-"))
+    )
 
 
 def _model_card(state: ServerState) -> dict:

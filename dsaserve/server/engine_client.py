@@ -66,6 +66,9 @@ class EngineClient:
     async def submit(self, requests: list[GenerateRequest]) -> list[AsyncIterator[RequestOutput]]:
         """Send requests (admitted together or rejected together); one output stream each."""
         self._check_alive()
+        rids = [r.rid for r in requests]
+        if len(set(rids)) < len(rids) or any(rid in self.queues for rid in rids):
+            raise APIError(400, "a request with this rid is already in flight", param="rid")
         for request in requests:
             self.queues[request.rid] = asyncio.Queue()
             if self.metrics is not None:
@@ -156,6 +159,8 @@ class EngineClient:
                     self.queues[output.rid].put_nowait(output)
         elif isinstance(message, ipc.Rejected):
             for rid in message.rids:
+                if self.metrics is not None:
+                    self.metrics.forget(rid)
                 if rid in self.queues:
                     retry = 1 if message.status == 429 else None
                     error = APIError(message.status, message.message, retry_after=retry)

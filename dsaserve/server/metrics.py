@@ -49,6 +49,11 @@ class Metrics:
     def on_submit(self, rid: str) -> None:
         self.started[rid] = time.monotonic()
 
+    def forget(self, rid: str) -> None:
+        """Drop a request that never ran (rejected at admission)."""
+        self.started.pop(rid, None)
+        self.last_seen.pop(rid, None)
+
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
         started = self.started.get(output.rid)
