@@ -158,6 +158,21 @@ def test_stream_reasoning_false_holds_reasoning(client: openai.OpenAI):
     assert reasoning == ["Reasoning here."]  # one delta, not streamed piece by piece
 
 
+def test_stop_strings_and_named_tool_choice(client: openai.OpenAI):
+    out = client.chat.completions.create(model="m", messages=ask("stopseq"), stop="STOP")
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == "count: one two"
+    assert out.choices[0].model_extra["matched_stop"] == "STOP"
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(model="m", messages=ask("parallel"), tools=TOOLS,
+                                         tool_choice=named)  # fmt: skip
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_time"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=ask("parallel"), tools=TOOLS,
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "absent"}})  # fmt: skip
+
+
 def test_answer_without_thinking_is_not_lost(client: openai.OpenAI):
     out = client.chat.completions.create(model="m", messages=ask("nothink"))
     assert out.choices[0].message.content == "Just the answer, no thinking."

@@ -1,0 +1,1 @@
+"""Anthropic Messages API: request models, translation to chat, serving."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible routes: request models and serving (chat, completions, native /generate)."""
