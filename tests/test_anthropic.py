@@ -118,3 +118,19 @@ def test_concurrent_thinking_streams(client: anthropic.Anthropic):
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(one, range(4)))
     assert results == [["thinking", "text"]] * 4
+
+
+def test_moving_cache_control_keeps_the_prefix_cached(client: anthropic.Anthropic):
+    """Claude Code moves cache_control breakpoints every turn; the prompt must not change (D28)."""
+    system = "You are a coding agent. " * 12
+
+    def turn(marked: int) -> anthropic.types.Message:
+        blocks = [{"type": "text", "text": t} for t in ("first", "second")]
+        blocks[marked]["cache_control"] = {"type": "ephemeral"}
+        return client.messages.create(model="m", max_tokens=1, system=system,
+                                      messages=[{"role": "user", "content": blocks}])  # fmt: skip
+
+    first, second = turn(0), turn(1)
+    total = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    assert total(first) == total(second)
+    assert second.usage.cache_read_input_tokens >= 16

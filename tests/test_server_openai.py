@@ -87,6 +87,21 @@ def test_chat_stream_shape(client: openai.OpenAI):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
 
 
+def test_continuous_usage_and_prefix_cache(client: openai.OpenAI):
+    chunks = list(client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks if c.usage and c.choices]
+    assert counts and counts == sorted(counts)
+    first = [{"role": "system", "content": "You are a careful assistant. " * 12},
+             {"role": "user", "content": "First question?"}]  # fmt: skip
+    client.chat.completions.create(model="m", messages=first, max_tokens=2)
+    turn = first + [{"role": "assistant", "content": "An answer."},
+                    {"role": "user", "content": "Second question?"}]  # fmt: skip
+    out = client.chat.completions.create(model="m", messages=turn, max_tokens=2)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 16  # the shared prefix is reused
+
+
 def test_logprobs(client: openai.OpenAI):
     out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
                                          max_tokens=3, logprobs=True, top_logprobs=2)  # fmt: skip

@@ -26,7 +26,10 @@ IDLE_POLL_MS = 200
 
 def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
     """Entry point of the spawned engine process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
+    # The API process decides when we stop (after draining), also when a whole process group is
+    # signalled; if the API process dies instead, the loop notices the new parent and exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(paths.to_engine)

@@ -149,10 +149,13 @@ async def _stream(
 ) -> AsyncIterator[str]:  # fmt: skip
     created = int(time.time())
 
-    def chunk(index: int, delta: dict, finish: str | None = None, **extra: Any) -> str:
+    def chunk(index: int, delta: dict, finish: str | None = None, usage: dict | None = None,
+              **extra: Any) -> str:  # fmt: skip
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [choice | extra]}  # fmt: skip
+        if usage is not None:
+            body["usage"] = usage
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     usage = Usage()
@@ -164,6 +167,8 @@ async def _stream(
             usage.add(output)
             choice = choices[index]
             logprobs = chat_logprobs(state, output.logprobs or [])
+            options = req.stream_options
+            continuous = options is not None and options.continuous_usage_stats
             for delta in _deltas(choice.update(output)):
                 if not req.stream_reasoning and "reasoning_content" in delta:
                     held[index] += delta["reasoning_content"]
@@ -171,7 +176,8 @@ async def _stream(
                 if held[index]:
                     yield chunk(index, {"reasoning_content": held[index]})
                     held[index] = ""
-                yield chunk(index, delta, logprobs=logprobs)
+                running = usage.finish(choices, False) if continuous else None
+                yield chunk(index, delta, usage=running, logprobs=logprobs)
                 logprobs = None
             if output.finished:
                 if held[index]:
