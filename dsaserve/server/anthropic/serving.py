@@ -8,6 +8,7 @@ started still end with a valid tail (error event, message_stop).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -37,13 +38,13 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
-    prepared = prepare_chat(state, _chat(req))
+    prepared = await asyncio.to_thread(prepare_chat, state, _chat(req))
     return {"input_tokens": len(prepared.input_ids)}
 
 
 async def messages(state: ServerState, req: MessagesRequest, raw: Request) -> Any:
     chat = _chat(req)
-    prepared = prepare_chat(state, chat)
+    prepared = await asyncio.to_thread(prepare_chat, state, chat)
     requests = state.tokenizer_manager.make_requests(prepared.input_ids, prepared.sampling, None)
     streams = await state.engine.submit(requests)
     choice = ChatChoice.create(prepared, separate_reasoning=True)

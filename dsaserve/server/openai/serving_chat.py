@@ -6,6 +6,7 @@ its own chunk (field report A14); with `stream_options.include_usage` a usage ch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -59,7 +60,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
 
 
 async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
-    prepared = prepare_chat(state, req)
+    prepared = await asyncio.to_thread(prepare_chat, state, req)  # keep the HTTP loop free
     requests = state.tokenizer_manager.make_requests(prepared.input_ids, prepared.sampling, req.rid)
     streams = await state.engine.submit(requests)
     choices = [ChatChoice.create(prepared, req.separate_reasoning) for _ in requests]
