@@ -75,6 +75,8 @@ def test_other_routes_reject_bad_input(main_server: Server):
     assert r.status_code == 400, r.text
     r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"top_k": 0}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    assert httpx.post(url + "/abort_request", content=b"{bad").status_code == 400
+    assert httpx.post(url + "/abort_request", json={}).status_code == 400
 
 
 def _idle(url: str, baseline: int, timeout: float = 30.0) -> dict:

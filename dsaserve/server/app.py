@@ -19,6 +19,7 @@ from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesReque
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai import serving_chat, serving_completions
 from dsaserve.server.openai.protocol import (
+    AbortIn,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequestIn,
@@ -110,11 +111,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @route("/abort_request", ["POST"])
     async def abort_request(state: ServerState, request: Request) -> Any:
-        body = await request.json() if await request.body() else {}
-        rid = str(body.get("rid") or "")
-        if not rid and not body.get("abort_all"):
+        body = await parse(request, AbortIn, limit)
+        if not body.rid and not body.abort_all:
             raise APIError(400, "give rid, or abort_all: true", param="rid")
-        rids = [r for r in state.engine.in_flight_rids() if body.get("abort_all") or _owns(rid, r)]
+        rids = [r for r in state.engine.in_flight_rids() if body.abort_all or _owns(body.rid, r)]
         state.engine.abort(rids)
         return {"aborted": rids}
 

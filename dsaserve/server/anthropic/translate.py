@@ -72,10 +72,9 @@ def _convert(role: str, content: str | list[Block], param: str) -> list[dict]:
                 texts = []
             out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
                         "content": _result_text(block.content)})  # fmt: skip
-        elif block.type in ("image", "document"):
-            raise bad_request(f"{block.type} blocks are not supported", f"{param}[{j}]")
-        else:
-            raise bad_request(f"unexpected block type '{block.type}' for {role}", f"{param}[{j}]")
+        elif block.type in ("image", "document", "tool_use", "thinking", "redacted_thinking"):
+            raise bad_request(f"{block.type} blocks are not supported for {role}", f"{param}[{j}]")
+        # other block types (server-tool results, citations, ...) carry nothing to render
     if texts or not out:
         out.append({"role": role, "content": "".join(texts)})
     return out
@@ -94,10 +93,8 @@ def _assistant(blocks: list[Block], param: str) -> dict:
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name or "",
                                        "arguments": json.dumps(block.input)}})  # fmt: skip
-        elif block.type == "redacted_thinking":
-            raise bad_request("redacted_thinking blocks are not supported", f"{param}[{j}]")
-        else:
-            raise bad_request(f"unexpected block type '{block.type}' for assistant", param)
+        elif block.type in ("redacted_thinking", "image", "document", "tool_result"):
+            raise bad_request(f"{block.type} blocks are not supported here", f"{param}[{j}]")
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if thinking:
         message["reasoning_content"] = "".join(thinking)

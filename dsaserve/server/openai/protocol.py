@@ -127,3 +127,10 @@ class GenerateRequestIn(_Model):
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=20)
     rid: str | None = None
+
+
+class AbortIn(_Model):
+    """`/abort_request`: one request by rid, or all of them."""
+
+    rid: str = ""
+    abort_all: bool = False
