@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dsaserve.server.parsers.chat_output import ChatOutputParser, collect
 from dsaserve.server.parsers.events import ToolCallArgs, ToolCallStart
 from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
-from dsaserve.server.parsers.tool_glm47 import MARKUP, Glm47ToolParser
+from dsaserve.server.parsers.tool_glm47 import MARKUP, Glm45ToolParser, Glm47ToolParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -60,11 +60,9 @@ def model_output(draw: st.DrawFn) -> str:
     return "".join(parts)
 
 
-def run(text: str, cuts: list[int], force: bool, finish: str) -> tuple:
+def run(text: str, cuts: list[int], force: bool, finish: str, cls=Glm47ToolParser) -> tuple:
     ids = itertools.count()
-    parser = ChatOutputParser(
-        Glm45ReasoningParser(force), Glm47ToolParser(TOOLS, lambda: f"call_{next(ids)}")
-    )
+    parser = ChatOutputParser(Glm45ReasoningParser(force), cls(TOOLS, lambda: f"call_{next(ids)}"))
     bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
     events = []
     for start, end in itertools.pairwise(bounds):
@@ -79,10 +77,13 @@ def run(text: str, cuts: list[int], force: bool, finish: str) -> tuple:
     cuts=st.lists(st.integers(0, 10**4), max_size=8),
     force=st.booleans(),
     finish=st.sampled_from(["stop", "length"]),
+    cls=st.sampled_from([Glm47ToolParser, Glm45ToolParser]),
 )
-def test_streaming_equals_non_streaming(text: str, cuts: list[int], force: bool, finish: str):
-    _, whole = run(text, [], force, finish)
-    events, streamed = run(text, cuts, force, finish)
+def test_streaming_equals_non_streaming(
+    text: str, cuts: list[int], force: bool, finish: str, cls: type
+):
+    _, whole = run(text, [], force, finish, cls)
+    events, streamed = run(text, cuts, force, finish, cls)
     assert streamed == whole
     for call in streamed.tool_calls:
         assert isinstance(json.loads(call.arguments), dict)  # one valid JSON object per call
