@@ -39,7 +39,6 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dsaserve", version=__version__, docs_url=None, redoc_url=None)
     app.state.server = state
     app.add_middleware(InFlight, state=state)
-    limit = state.args.max_request_bytes
 
     def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True):
         def register(handler: Handler) -> Handler:
@@ -50,6 +49,14 @@ def build_app(state: ServerState) -> FastAPI:
             return handler
 
         return register
+
+    _add_generation_routes(route, state.args.max_request_bytes)
+    _add_admin_routes(route, state)
+    return app
+
+
+def _add_generation_routes(route: Callable, limit: int) -> None:
+    """The inference routes: OpenAI, native and Anthropic."""
 
     @route("/v1/chat/completions", ["POST"])
     async def chat(state: ServerState, request: Request) -> Any:
@@ -75,6 +82,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def count_tokens(state: ServerState, request: Request) -> Any:
         body = await parse(request, CountTokensRequest, limit)
         return await anthropic.count_tokens(state, body)
+
+
+def _add_admin_routes(route: Callable, state: ServerState) -> None:
+    """Models, health, info, cache, abort and metrics."""
+    limit = state.args.max_request_bytes
 
     @route("/v1/models", ["GET"], gate=False)
     async def models(state: ServerState, request: Request) -> Any:
@@ -125,8 +137,6 @@ def build_app(state: ServerState) -> FastAPI:
             stats = await state.engine.control("stats") if state.engine.dead is None else {}
             text = state.metrics.render(stats)
             return Response(text, media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 async def _guarded(
