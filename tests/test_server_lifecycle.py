@@ -18,7 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_harness import Server, group_alive, running_server
+from server_harness import Server, group_alive, running_server, write_scripts
 
 KEY = "sk-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -149,3 +149,20 @@ def test_engine_start_failure_exits_with_a_message(tmp_path: Path, server_checkp
     done = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert done.returncode == 1
     assert "engine failed to start" in done.stderr
+
+
+def test_watchdog_ends_a_stuck_engine(server_checkpoint: Path, tmp_path: Path):
+    """A step longer than --watchdog-timeout ends the engine; the request fails, never hangs."""
+    scripts = write_scripts(tmp_path, {"stall": {"text": "slow", "chunk": 1, "delay": 30}})
+    env = {"DSASERVE_TEST_ENGINE": "scripted"}  # no model: replay scripts only
+    with running_server(server_checkpoint, "--watchdog-timeout", "1", env=env,
+                        scripts=scripts) as server:  # fmt: skip
+        start = time.monotonic()
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=60,
+            json={"model": "m", "messages": [{"role": "user", "content": "[[script:stall]]"}]},
+        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+        assert time.monotonic() - start < 20
+        assert httpx.get(server.url + "/health").status_code == 503
