@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -129,22 +130,35 @@ def peer_available() -> bool:
     return found and importlib.util.find_spec("accelerate") is not None
 
 
-@contextlib.contextmanager
-def running(name: str, command: list[str], env: dict, timeout: float, url: str | None = None
-            ) -> Iterator[Server]:  # fmt: skip
-    """Start `command` in its own process group; wait until it serves; always stop the group.
+class ServerSpec(NamedTuple):
+    """What to start. With `url`, readiness is `GET {url}/health` answering 200; without, the
+    dsaserve ready line (which carries the URL of its port-0 bind)."""
 
-    With `url`, readiness is `GET {url}/health` answering 200; without, dsaserve's ready line.
-    """
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, start_new_session=True)  # fmt: skip
-    server = Server(name, url or "", process)
+    name: str
+    command: list[str]
+    url: str | None = None
+
+
+@contextlib.contextmanager
+def running(specs: list[ServerSpec], env: dict, timeout: float) -> Iterator[list[Server]]:
+    """Start every server (each in its own process group) at once, wait until all serve, and
+    always stop every group when the block exits."""
+    started: list[Server] = []
     try:
-        ready_line = _pump_log(server)
-        server.url = _wait_ready(server, ready_line, timeout)
-        yield server
+        events = []
+        for spec in specs:
+            process = subprocess.Popen(
+                spec.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                text=True, start_new_session=True,
+            )  # fmt: skip
+            started.append(Server(spec.name, spec.url or "", process))
+            events.append(_pump_log(started[-1]))
+        for server, ready_line in zip(started, events, strict=True):
+            server.url = _wait_ready(server, ready_line, timeout)
+        yield started
     finally:
-        stop_group(process)
+        for server in started:
+            stop_group(server.process)
 
 
 def _pump_log(server: Server) -> threading.Event:
@@ -192,3 +206,17 @@ def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(5)
+    deadline = time.monotonic() + 5.0
+    while group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc (Linux)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members

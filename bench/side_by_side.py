@@ -18,7 +18,6 @@ stopped, whatever happens.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
@@ -142,12 +141,10 @@ def serve_and_measure(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     ours_cmd = servers.dsaserve_command(model, shlex.split(args.dsaserve_args))
     port = servers.free_port()
     peer_url = f"http://127.0.0.1:{port}"
-    with contextlib.ExitStack() as stack:
-        ours = stack.enter_context(servers.running("dsaserve", ours_cmd, env, START_TIMEOUT_S))
-        peer_cmd = servers.peer_command(model, port)
-        peer = stack.enter_context(
-            servers.running("transformers", peer_cmd, env, START_TIMEOUT_S, url=peer_url)
-        )
+    peer_cmd = servers.peer_command(model, port)
+    specs = [servers.ServerSpec(report.OURS, ours_cmd),
+             servers.ServerSpec(report.PEER, peer_cmd, peer_url)]  # fmt: skip
+    with servers.running(specs, env, START_TIMEOUT_S) as (ours, peer):
         pids = {report.OURS: ours.process.pid, report.PEER: peer.process.pid}
         levels = run_levels(args, model, ours.url, peer.url)
     return {"levels": levels, "server_pids": pids, "commands": {report.OURS: ours_cmd,
