@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
+from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
@@ -22,6 +22,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsaserve.engine.speculative import SpecDecoder
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
@@ -40,6 +41,8 @@ class Engine:
         self.args = args
         self.device = _device(args.device)
         refuse_unrunnable(args, self.device.type)
+        spec = speculative_settings(args)
+        self.spec_steps = spec[0] if spec else 0
         self._init_config()
         self._init_model(show_progress)
         self._init_pool()
@@ -57,28 +60,44 @@ class Engine:
         self.dtype = _dtype(self.args.dtype, self.model_config, self.device)
 
     def _init_model(self, show_progress: bool) -> None:
+        self.with_mtp = self.spec_steps > 0
+        if self.with_mtp and self.model_config.num_nextn_predict_layers < 1:
+            raise ArgsError(
+                f"--speculative-algorithm {self.args.speculative_algorithm}: the checkpoint "
+                f"{self.args.model_path} has no MTP (nextn) layer (num_nextn_predict_layers is 0); "
+                "drop --speculative-algorithm or use a checkpoint that ships its MTP layer"
+            )
         with torch.device("meta"):
-            self.model = DsaMoeForCausalLM(self.model_config, with_mtp=False)
+            self.model = DsaMoeForCausalLM(self.model_config, with_mtp=self.with_mtp)
         load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
         self.model.to(self.device).eval().requires_grad_(False)
         self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
-        index_layers = len(index_cache_ids(cfg, False))
+        mtp = self.with_mtp
+        index_layers = len(index_cache_ids(cfg, mtp))
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = KVPool.bytes_per_token(cfg, index_layers, False, itemsize)
+        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize)
         page_size = args.page_size or 64
         tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
         num_pages = max(tokens // page_size, 2)
-        self.pool = KVPool(cfg, num_pages, page_size, index_layers, False, self.dtype, self.device)
+        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device)
         self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
-        context = min(args.context_length or cfg.context_length, self.pool.num_tokens)
+        # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
+        context = min(args.context_length or cfg.context_length,
+                      self.pool.num_tokens - self.spec_steps)  # fmt: skip
         self.context_length = context
         chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
-        running = args.max_running_requests or (256 if self.device.type == "cuda" else 64)
-        self.scheduler = Scheduler(SchedulerConfig(running, chunk, context), self.pool, self.cache)
+        default_running = 48 if mtp else (256 if self.device.type == "cuda" else 64)
+        running = args.max_running_requests or default_running  # 48: SGLang's with speculation
+        config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
+        self.scheduler = Scheduler(config, self.pool, self.cache)
         self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.spec = None
+        if mtp:
+            share = cfg.index_share_for_mtp_iteration
+            self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
 
     # ---- requests -------------------------------------------------------------------------
@@ -127,8 +146,16 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        sampled, logits = self.runner.forward(scheduled)
         self._count_prompt(scheduled)
+        if self.spec is not None:
+            self.spec.step(scheduled, self.sampler, self._append)
+            self.spec.log_line(self.stats)
+        else:
+            self._step_plain(scheduled)
+        return self._collect(scheduled.reqs)
+
+    def _step_plain(self, scheduled: ScheduledBatch) -> None:
+        sampled, logits = self.runner.forward(scheduled)
         for req, end in zip(scheduled.reqs, scheduled.ends):
             req.kv_len = end
         reqs = [scheduled.reqs[i] for i in sampled]
@@ -136,7 +163,6 @@ class Engine:
             result = self.sampler(logits, [r.sampling for r in reqs])
             for req, token, lp in zip(reqs, result.token_ids, result.logprobs):
                 self._append(req, token, lp)
-        return self._collect(scheduled.reqs)
 
     def _count_prompt(self, scheduled: ScheduledBatch) -> None:
         for req, start in zip(scheduled.reqs, scheduled.starts):
@@ -204,6 +230,7 @@ class Engine:
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def flush_cache(self) -> bool:

@@ -37,7 +37,7 @@ class ModelRunner:
             zip(scheduled.reqs, scheduled.starts, scheduled.ends)
         ):
             fill = req.fill_ids
-            ids += fill[start:end]
+            ids += fill[start:end] if scheduled.input_ids is None else scheduled.input_ids[i]
             positions += range(start, end)
             out_slots.append(req.slots[start:end])
             if end - start == 1:

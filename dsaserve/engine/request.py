@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,6 +36,11 @@ class Req:
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # speculative decoding: the next round's first draft, and counters for reporting
+    spec_draft: Any = None  # speculative.Draft
+    spec_verify_ct: int = 0
+    spec_correct_drafts: int = 0
+    spec_proposed_drafts: int = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -64,6 +70,20 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
             logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
+            **self._spec_report(),
         )
         self.pending_ids, self.pending_text, self.pending_logprobs = [], "", []
         return out
+
+    def _spec_report(self) -> dict:
+        """SGLang's meta_info fields: accept length = completion tokens per verify step."""
+        if not self.spec_verify_ct:
+            return {}
+        proposed = self.spec_proposed_drafts
+        return {
+            "spec_verify_ct": self.spec_verify_ct,
+            "spec_accept_length": len(self.output_ids) / self.spec_verify_ct,
+            "spec_accept_rate": self.spec_correct_drafts / proposed if proposed else 0.0,
+            "spec_num_correct_drafts": self.spec_correct_drafts,
+            "spec_num_proposed_drafts": proposed,
+        }

@@ -24,6 +24,8 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int  # prefill tokens per step; -1: no chunking
     context_length: int
+    # KV tokens a decoding request computes per step: 1, or steps + 1 with speculation (verify)
+    decode_tokens: int = 1
 
 
 @dataclass
@@ -31,6 +33,8 @@ class ScheduledBatch:
     reqs: list[Req]
     starts: list[int]
     ends: list[int]
+    # explicit tokens per request (speculative verify and draft runs); None: fill[start:end]
+    input_ids: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +79,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.order):
             if req not in self.running or self._remaining(req) != 1:
                 continue
-            while not self._grow(req, req.kv_len + 1):
+            while not self._grow(req, req.kv_len + self.config.decode_tokens):
                 victim = max(self.running, key=lambda r: r.order)
                 self.retract(victim)
                 if victim is req:

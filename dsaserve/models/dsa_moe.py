@@ -6,6 +6,9 @@ layer, when kept, is `model.layers[num_hidden_layers]` and has its own cache ent
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -63,10 +66,30 @@ class MTPLayer(DecoderLayer):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(config)
 
-    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin) -> torch.Tensor:
+    def draft(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, cos, sin, reuse: Selection | None = None
+    ) -> tuple[torch.Tensor, Selection]:
+        """h' (un-normed) and the indexer selection; with `reuse`, that selection is attended
+        instead of running the indexer (index_share_for_mtp_iteration)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        x, _ = super().forward(x, cos, sin, None)
-        return x  # un-normed; shared_head.norm is applied before the lm_head
+        if reuse is None:
+            return super().forward(x, cos, sin, None)
+        with _indexer_bypassed(self.self_attn):
+            return super().forward(x, cos, sin, reuse)
+
+
+@contextmanager
+def _indexer_bypassed(attn: nn.Module) -> Iterator[None]:
+    """Make `attn` take its `shared` selection instead of running its own indexer.
+
+    Why: MLAttention runs its indexer whenever it has one; this keeps the MTP-only reuse out of
+    the attention layer's interface."""
+    indexer = attn.indexer
+    attn.indexer = None
+    try:
+        yield
+    finally:
+        attn.indexer = indexer
 
 
 class DsaMoeModel(nn.Module):
@@ -110,13 +133,19 @@ class DsaMoeForCausalLM(nn.Module):
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def forward_mtp(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward_mtp(
+        self, hidden: torch.Tensor, reuse: Selection | None = None
+    ) -> tuple[torch.Tensor, Selection]:
         """Run the MTP layer on the installed batch: row r's input token is batch.input_ids[r]
-        (token i+1) and hidden[r] the target's normed hidden state at i. Returns h' normed."""
+        (token i+1) and hidden[r] the target's normed hidden state at i. Returns
+        shared_head.norm(h'), which is both the lm_head input and, as in sglang
+        (deepseek_nextn / glm4_moe_nextn) and vLLM (deepseek_mtp), the hidden state fed back
+        into the next draft step; and the MTP indexer's selection."""
         batch = current_batch()
         embeds = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
-        return self.mtp.shared_head.norm(self.mtp.draft(embeds, hidden, cos, sin))
+        out, selection = self.mtp.draft(embeds, hidden, cos, sin, reuse)
+        return self.mtp.shared_head.norm(out), selection
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
