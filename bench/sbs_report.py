@@ -88,11 +88,16 @@ def format_targets(result: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def flops_summary(record: dict[str, Any], per_token: float, peak: dict[str, Any]) -> dict:
-    """Achieved model FLOP/s of one run, from its decode rate and from its whole-run rate."""
+def flops_summary(
+    record: dict[str, Any], per_token: float, peak: dict[str, Any], batched: bool = True
+) -> dict:
+    """Achieved model FLOP/s of one run: whole run ((input + output tokens) / duration), and, for
+    a batching server (`batched`), its decode rate (concurrency / mean TPOT: every request in
+    flight gains one token per step). A server that runs one request at a time has no batch
+    decode rate."""
     concurrency = record.get("max_concurrency") or 1
     tpot = record.get("mean_tpot_ms")
-    decode_tok_s = concurrency / (tpot / 1000) if tpot else None
+    decode_tok_s = concurrency / (tpot / 1000) if tpot and batched else None
     run_tok_s = record.get("total_throughput")  # input + output tokens over the run
     decode = decode_tok_s * per_token if decode_tok_s else None
     whole = run_tok_s * per_token if run_tok_s else None
@@ -108,8 +113,11 @@ def flops_summary(record: dict[str, Any], per_token: float, peak: dict[str, Any]
 
 
 def format_flops(name: str, summary: dict[str, Any]) -> str:
-    if summary.get("decode_flops_per_s") is None:
+    if summary.get("run_flops_per_s") is None:
         return f"  {name}: no completed run"
+    if summary.get("decode_flops_per_s") is None:
+        return (f"  {name}: whole run, prefill included: {summary['run_flops_per_s'] / 1e9:.3f}"
+                f" GFLOP/s = {100 * summary['run_fraction_of_peak']:.2f}% of peak")  # fmt: skip
     return (
         f"  {name}: {summary['decode_tokens_per_s']:.1f} decode tok/s x "
         f"{summary['flops_per_token'] / 1e6:.2f} MFLOP = "

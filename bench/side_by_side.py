@@ -21,8 +21,10 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=int,
-        default=os.cpu_count() or 1,
-        help="torch threads of both servers and of the matmul peak",
+        default=1,
+        help="torch threads of both servers and of the matmul peak (default 1: on a shared, "
+        "oversubscribed machine extra threads mostly wait at OpenMP barriers)",
     )
     p.add_argument("--dsaserve-args", default="", help="extra `dsaserve serve` flags (one string)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per request")
@@ -131,7 +134,8 @@ def _flops(model: Path, levels: list[dict], peak: flops.Peak | None, args) -> di
     for name in (report.OURS, report.PEER):
         record = top.get(name) or {}
         if "error" not in record:
-            out[name] = report.flops_summary(record, per_token, peak._asdict())
+            batched = name == report.OURS  # the reference runs one request at a time
+            out[name] = report.flops_summary(record, per_token, peak._asdict(), batched)
     return out
 
 
@@ -156,6 +160,18 @@ def tiny_overrides() -> dict[str, Any]:
     return dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                 num_hidden_layers=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                 v_head_dim=16, index_topk=8, index_n_heads=4, index_head_dim=16)  # fmt: skip
+
+
+def _exit_on_signals() -> None:
+    """SIGTERM (and SIGINT, even where a background shell ignores it) unwind through the
+    `finally` blocks, so both servers are stopped."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -224,4 +240,5 @@ def _write(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    _exit_on_signals()
     main()
