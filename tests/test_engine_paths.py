@@ -44,8 +44,8 @@ def alone(checkpoint, prompts):
 )
 def test_batched_paths_match_alone(checkpoint, prompts, alone, engine_args):
     llm = LLM(checkpoint, **{"max_total_tokens": 8192, **engine_args})
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == alone
+    outputs = llm.generate(prompts[:12], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == alone[:12]
     if "max_total_tokens" in engine_args and engine_args["max_total_tokens"] < 1000:
         assert llm.engine.scheduler.num_retractions > 0
     assert llm.engine.stats()["kv_used_tokens"] == 0

@@ -18,7 +18,7 @@ CASES = [
     ("deepseek", 0, {}),
     ("deepseek", 2, {"index_topk": 16}),
 ]
-PROMPT_LENS = (5, 8, 30, 57)
+PROMPT_LENS = (5, 30, 57)
 NEW_TOKENS = 64
 
 
@@ -54,8 +54,8 @@ def test_greedy_tokens_match_reference_in_mixed_batch(case):
 
 @torch.no_grad()
 def reference_greedy(reference, prompt: list[int], new_tokens: int) -> list[int]:
-    """Greedy decoding by full forwards of the reference: transformers' own `generate` cache
-    path disagrees with its forward on models with `shared` indexer layers."""
+    """Greedy decoding by full forwards of the reference: transformers' own `generate` cache path
+    disagrees with its forward on some of these configs (shared indexer layers, DeepSeek)."""
     ids = list(prompt)
     for _ in range(new_tokens):
         ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
