@@ -44,7 +44,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.layers.indexer import Selection
-from dsaserve.layers.sampler import Sampler
+from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,17 @@ class _Layout:
             row += e - s
 
 
+def _plain(state: SamplingState) -> bool:
+    """Greedy with nothing that depends on the output so far (the sampler's argmax path)."""
+    params = state.params
+    return (
+        params.greedy
+        and not state.has_penalties
+        and params.logprobs is None
+        and len(state.output_ids) >= params.min_tokens
+    )
+
+
 class SpecDecoder:
     """Runs one engine step with MTP drafting and target verification (see the module doc)."""
 
@@ -106,6 +117,7 @@ class SpecDecoder:
         self.runner = runner
         self.num_steps = num_steps
         self.share_index = share_index and num_steps > 1
+        self._greedy_ids: list[int] | None = None
         self.total = SpecCounters()
         self.window = SpecCounters()
         self.window_start = time.perf_counter()
@@ -186,15 +198,18 @@ class SpecDecoder:
                 first_row[i] = len(rows)
                 rows.append(layout.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
         logits = self.model.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        states = [reqs[i].sampling for i in first_row]
+        self._greedy_ids = logits.argmax(dim=-1).tolist() if all(map(_plain, states)) else None
         draft_of = dict(zip([i for i, v in enumerate(layout.verify) if v], drafts))
         emitted, active, step = [0] * len(reqs), list(first_row), SpecCounters()
         for r in range(k + 1):
             if not active:
                 break
-            picked = logits[[first_row[i] + r for i in active]]
-            result = sampler(picked, [reqs[i].sampling for i in active])
+            rows_now = [first_row[i] + r for i in active]
+            states = [reqs[i].sampling for i in active]
+            token_ids, logprobs = self._sample(logits, rows_now, states, sampler)
             still = []
-            for i, token, logprob in zip(active, result.token_ids, result.logprobs):
+            for i, token, logprob in zip(active, token_ids, logprobs):
                 append(reqs[i], token, logprob)
                 emitted[i] += 1
                 draft = draft_of.get(i)
@@ -213,6 +228,13 @@ class SpecDecoder:
         self.total.add(step)
         self.window.add(step)
         return emitted
+
+    def _sample(self, logits, rows: list[int], states, sampler: Sampler) -> tuple[list, list]:
+        """The target's token for each of `rows`, as the sampler draws it without speculation."""
+        if self._greedy_ids is not None:  # all plain greedy: one argmax over every row
+            return [self._greedy_ids[r] for r in rows], [None] * len(rows)
+        result = sampler(logits[rows], states)
+        return result.token_ids, result.logprobs
 
     def _catch_up(self, scheduled, layout: _Layout, hidden: torch.Tensor) -> None:
         """MTP over [start, kv_len) of every entry; store the next round's first draft."""
