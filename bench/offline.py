@@ -1,6 +1,6 @@
 """Offline throughput: dsaserve `LLM.generate` vs transformers `generate`, same random checkpoint.
 
-    python bench/offline.py [--num-prompts 64] [--batch 32] [--output-len 64] [--json out.json]
+    python bench/offline.py [--num-prompts 64] [--batch 32] [--output-len 64] [--threads N] [--json F]
 
 Both run greedy with a fixed output length on the same prompts; transformers runs padded
 batches of `--batch` prompts, dsaserve continuous batching capped at `--batch` requests.
@@ -36,8 +36,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default="bench/results/offline.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = make_checkpoint(Path(tempfile.mkdtemp()) / "bench-model", "glm", seed=0, **MODEL)
     params = sum(p.numel() for p in load_reference(folder).parameters())
     gen = torch.Generator().manual_seed(0)
