@@ -219,3 +219,16 @@ def test_reporting(monkeypatch, checkpoint, prompts, plain, caplog):
     assert stats["avg_spec_accept_length"] > 1.5
     assert any("accept len:" in r.getMessage() and "accept rate:" in r.getMessage()
                for r in caplog.records)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_greedy_identical_with_index_share(monkeypatch, checkpoint, prompts):
+    base = LLM(checkpoint, max_total_tokens=8192, page_size=4, device="cuda")
+    want = [o.token_ids for o in base.generate(prompts, GREEDY, use_tqdm=False)]
+    share = '{"index_share_for_mtp_iteration": true}'
+    llm = spec_llm(checkpoint, 3, device="cuda", json_model_override_args=share)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    oracle(monkeypatch, {tuple(p): o for p, o in zip(prompts, want)}, keep=0.75)
+    llm = spec_llm(checkpoint, 3, device="cuda", chunked_prefill_size=7)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want

@@ -1,0 +1,139 @@
+"""Batch-1 decode speed with MTP speculative decoding on vs off, in one run.
+
+    python bench/spec_decode.py [--model-path DIR] [--steps 1,2,3] [--output-len 128]
+                                [--threads N] [--json bench/results/spec_decode.json]
+
+Default model: the embedded one (its own kind of prompts: chat questions through its chat
+template). Each prompt runs alone (batch 1), greedy, a fixed number of output tokens; decode
+tokens/s counts the tokens after the first over the time after the first (prefill excluded).
+The speculative outputs are checked token-for-token against the plain ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.assets import default_model_path
+from dsaserve.engine.io import GenerateRequest
+
+QUESTIONS = [
+    "What is 15% of 240?",
+    "What is 37 times 24?",
+    "What's the weather in Paris?",
+    "What is 8% of 1250?",
+    "What time is it in Tokyo?",
+    "What is 125 times 16?",
+    "Search the web for the tallest building in Europe.",
+    "What is 45% of 680?",
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model-path", default=str(default_model_path()))
+    ap.add_argument("--steps", default="3", help="comma list of --speculative-num-steps")
+    ap.add_argument("--num-prompts", type=int, default=len(QUESTIONS))
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", default="bench/results/spec_decode.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not (Path(args.model_path) / "config.json").is_file():
+        raise SystemExit(f"no checkpoint at {args.model_path} (config.json missing)")
+    record = run(args)
+    print_table(record)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(record, indent=2))
+
+
+def run(args) -> dict:
+    prompts = chat_prompts(args.model_path, args.num_prompts)
+    base_args = {"max_total_tokens": 16384, "device": args.device}
+    plain = measure(LLM(args.model_path, **base_args), prompts, args)
+    rows = [{"mode": "off", "steps": 0, **plain, "speedup": 1.0, "identical": True}]
+    for steps in [int(s) for s in args.steps.split(",")]:
+        llm = LLM(args.model_path, speculative_algorithm="EAGLE", speculative_num_steps=steps,
+                  **base_args)  # fmt: skip
+        result = measure(llm, prompts, args)
+        stats = llm.engine.stats()
+        rows.append({
+            "mode": "EAGLE", "steps": steps, **result,
+            "speedup": result["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
+            "accept_length": stats["avg_spec_accept_length"],
+            "accept_rate": stats["spec_accept_rate"],
+            "identical": result["outputs"] == plain["outputs"],
+        })  # fmt: skip
+    for row in rows:
+        row.pop("outputs")
+    return {"args": vars(args), "num_prompts": len(prompts), "rows": rows,
+            "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def chat_prompts(model_path: str, n: int) -> list[list[int]]:
+    """The questions through the checkpoint's chat template (plain text without one)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = []
+    for question in (QUESTIONS * (n // len(QUESTIONS) + 1))[:n]:
+        if tokenizer.chat_template is None:
+            prompts.append(tokenizer(question, add_special_tokens=False).input_ids)
+            continue
+        messages = [{"role": "user", "content": question}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
+def measure(llm: LLM, prompts: list[list[int]], args) -> dict:
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    one(llm, prompts[0], params)  # warm-up
+    decode_tokens, decode_s, outputs = 0, 0.0, []
+    for _ in range(args.repeats):
+        outputs = []
+        for prompt in prompts:
+            tokens, seconds, ids = one(llm, prompt, params)
+            decode_tokens += tokens
+            decode_s += seconds
+            outputs.append(ids)
+    return {"decode_tokens": decode_tokens, "decode_seconds": decode_s,
+            "decode_tokens_per_s": decode_tokens / decode_s, "outputs": outputs}  # fmt: skip
+
+
+def one(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float, list[int]]:
+    """Run one request alone; (tokens after the first, seconds after the first, all ids)."""
+    engine = llm.engine
+    rid = f"bench-{time.perf_counter_ns()}"
+    engine.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling=asdict(params)))
+    ids: list[int] = []
+    first_at = None
+    while engine.has_work():
+        for out in engine.step():
+            ids += out.token_ids
+        if ids and first_at is None:
+            first_at, first_len = time.perf_counter(), len(ids)
+    return len(ids) - first_len, time.perf_counter() - first_at, ids
+
+
+def print_table(record: dict) -> None:
+    print(f"\nbatch 1, {record['num_prompts']} prompts, torch threads {record['torch_threads']}")
+    head = f"{'mode':<7}{'steps':>6}{'decode tok/s':>14}{'speedup':>9}{'accept len':>12}"
+    print(head + f"{'accept rate':>13}{'identical':>11}")
+    for r in record["rows"]:
+        accept = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
+        rate = f"{r['accept_rate']:.2f}" if "accept_rate" in r else "-"
+        print(f"{r['mode']:<7}{r['steps']:>6}{r['decode_tokens_per_s']:>14.1f}"
+              f"{r['speedup']:>8.2f}x{accept:>12}{rate:>13}{str(r['identical']):>11}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
