@@ -31,15 +31,19 @@ def test_fp8_checkpoint_matches_dequantised_model(tmp_path):
     assert (unquantised - expected).abs().max() > 1e-4
 
 
-def test_bf16_compute_tracks_fp32(tmp_path):
-    folder = str(make_checkpoint(tmp_path / "m", "glm", seed=5))
+def test_bf16_compute_is_as_faithful_as_the_reference_in_bf16(tmp_path):
+    folder = make_checkpoint(tmp_path / "m", "glm", seed=5)
     prompt = torch.randint(0, 380, (37,), generator=torch.Generator().manual_seed(2)).tolist()
-    fp32 = LLM(folder, dtype="float32", max_total_tokens=512, page_size=4).engine
-    bf16 = LLM(folder, dtype="bfloat16", max_total_tokens=512, page_size=4).engine
+    bf16 = LLM(str(folder), dtype="bfloat16", max_total_tokens=512, page_size=4).engine
     assert bf16.pool.kv_cache.dtype == torch.bfloat16
     assert bf16.model.model.layers[1].mlp.gate.weight.dtype == torch.float32  # router stays fp32
-    expected, got = fp32.score(prompt), bf16.score(prompt)
-    # bf16 rounding may flip a discrete choice (an expert, a top-k token) for a few rows, so
-    # compare in aggregate: small mean error and the same greedy token almost everywhere.
-    assert (got - expected).abs().mean() / expected.abs().mean() < 3e-2
-    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.85
+    reference = load_reference(folder)
+    with torch.no_grad():
+        exact = reference(torch.tensor([prompt])).logits[0]
+        reference_bf16 = reference.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
+    got = bf16.score(prompt)
+    # bf16 rounding flips a few discrete choices (experts, top-k tokens) in a random model, so
+    # the bar is the reference's own bf16 error, not a fixed tolerance.
+    error = lambda x: ((x - exact).abs().mean() / exact.abs().mean()).item()  # noqa: E731
+    assert error(got) <= 1.2 * error(reference_bf16)
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() > 0.8
