@@ -149,7 +149,7 @@ class Engine:
         self._count_prompt(scheduled)
         if self.spec is not None:
             self.spec.step(scheduled, self.sampler, self._append)
-            self.spec.log_line(self.stats)
+            self.spec.report.log_line(self.stats)
         else:
             self._step_plain(scheduled)
         return self._collect(scheduled.reqs)
@@ -230,7 +230,7 @@ class Engine:
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
-            **(self.spec.stats() if self.spec is not None else {}),
+            **(self.spec.report.stats() if self.spec is not None else {}),
         }
 
     def flush_cache(self) -> bool:

@@ -31,8 +31,6 @@ before anything reads them (pages are allocated for kv_len + K + 1 tokens per de
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,14 +41,12 @@ from dsaserve.engine.io import TokenLogprob
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.engine.spec_report import SpecCounters, SpecReport
 from dsaserve.layers.indexer import Selection
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
-logger = logging.getLogger(__name__)
-
 Append = Callable[[Req, int, "TokenLogprob | None"], None]
-LOG_INTERVAL = 40  # verify steps between decode log lines
 
 
 @dataclass
@@ -61,26 +57,6 @@ class Draft:
     token: int
     hidden: torch.Tensor  # [H] shared_head.norm(h') at that row
     selection: torch.Tensor | None  # [position + 1] bool: its indexer top-k (None: all)
-
-
-@dataclass
-class SpecCounters:
-    verify_ct: int = 0
-    verify_tokens: int = 0  # tokens emitted by verify steps (accepted drafts + bonus)
-    correct_drafts: int = 0
-    proposed_drafts: int = 0
-
-    def add(self, other: SpecCounters) -> None:
-        for name in vars(self):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @property
-    def accept_length(self) -> float:
-        return self.verify_tokens / self.verify_ct if self.verify_ct else 0.0
-
-    @property
-    def accept_rate(self) -> float:
-        return self.correct_drafts / self.proposed_drafts if self.proposed_drafts else 0.0
 
 
 class _Layout:
@@ -118,9 +94,7 @@ class SpecDecoder:
         self.num_steps = num_steps
         self.share_index = share_index and num_steps > 1
         self._greedy_ids: list[int] | None = None
-        self.total = SpecCounters()
-        self.window = SpecCounters()
-        self.window_start = time.perf_counter()
+        self.report = SpecReport(num_steps)
 
     # ---- the step -------------------------------------------------------------------------
     def step(self, scheduled: ScheduledBatch, sampler: Sampler, append: Append) -> None:
@@ -225,8 +199,7 @@ class SpecDecoder:
             step.verify_ct += 1
             step.proposed_drafts += k
             step.verify_tokens += emitted[i]
-        self.total.add(step)
-        self.window.add(step)
+        self.report.add(step)
         return emitted
 
     def _sample(self, logits, rows: list[int], states, sampler: Sampler) -> tuple[list, list]:
@@ -276,27 +249,3 @@ class SpecDecoder:
                 out.append(None if chosen is None else chosen[decode_row, :e])
                 decode_row += 1
         return out
-
-    # ---- reporting ------------------------------------------------------------------------
-    def log_line(self, engine_stats: Callable[[], dict]) -> None:
-        """SGLang's periodic decode line, every LOG_INTERVAL verify steps."""
-        if self.window.verify_ct < LOG_INTERVAL:
-            return
-        stats = engine_stats()
-        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        logger.info(
-            "Decode batch, #running-req: %d, #token: %d, accept len: %.2f, accept rate: %.2f, "
-            "gen throughput (token/s): %.2f",
-            stats["num_running"], stats["kv_used_tokens"], self.window.accept_length,
-            self.window.accept_rate, self.window.verify_tokens / elapsed,
-        )  # fmt: skip
-        self.window = SpecCounters()
-        self.window_start = time.perf_counter()
-
-    def stats(self) -> dict:
-        return {
-            "avg_spec_accept_length": self.total.accept_length,
-            "spec_accept_rate": self.total.accept_rate,
-            "spec_verify_ct": self.total.verify_ct,
-            "spec_num_steps": self.num_steps,
-        }
