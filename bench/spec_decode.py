@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--json-model-override-args", default=None,
+                    help='e.g. \'{"index_share_for_mtp_iteration": true}\'')  # fmt: skip
     ap.add_argument("--json", default="bench/results/spec_decode.json")
     args = ap.parse_args()
     if args.threads:
@@ -59,7 +61,8 @@ def main() -> None:
 
 def run(args) -> dict:
     prompts = chat_prompts(args.model_path, args.num_prompts)
-    base_args = {"max_total_tokens": 16384, "device": args.device}
+    base_args = {"max_total_tokens": 16384, "device": args.device,
+                 "json_model_override_args": args.json_model_override_args}  # fmt: skip
     plain = measure(LLM(args.model_path, **base_args), prompts, args)
     rows = [{"mode": "off", "steps": 0, **plain, "speedup": 1.0, "identical": True}]
     for steps in [int(s) for s in args.steps.split(",")]:
