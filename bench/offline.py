@@ -1,6 +1,6 @@
 """Offline throughput: dsaserve `LLM.generate` vs transformers `generate`, same random checkpoint.
 
-    python bench/offline.py [--num-prompts 64] [--batch 32] [--output-len 64] [--threads N] [--json F]
+    python bench/offline.py [--num-prompts 64] [--batch 32] [--output-len 64] [--threads N]
 
 Both run greedy with a fixed output length on the same prompts; transformers runs padded
 batches of `--batch` prompts, dsaserve continuous batching capped at `--batch` requests.

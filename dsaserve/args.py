@@ -228,7 +228,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--api-key")
     f("--reasoning-parser", choices=["auto", "glm45", "deepseek-v3", "none"])
     f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
-    f("--default-chat-template-kwargs", help='JSON, e.g. \'{"enable_thinking": false}\'')
+    f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
     f("--enable-metrics", **on)
     f("--enable-cache-report", **on)
     f("--max-queued-requests", type=int)

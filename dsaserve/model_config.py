@@ -1,4 +1,4 @@
-"""`ModelConfig.from_hf(path)`: the Hugging Face config normalised once; model code reads only it."""
+"""`ModelConfig.from_hf(path)`: the HF config normalised once; model code reads only it."""
 
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ class SamplingParams:
 
     `logprobs`: None for no log-probabilities, else the number of top alternatives per token
     (0 returns only the chosen token's). `n` > 1 is expanded by the front ends into n requests
-    (choice i uses seed + i when a seed is given).
+    (choice i uses seed + i when a seed is given). `force_token_ids` are emitted verbatim once
+    `force_after_token_id` has been generated (from the first token when it is None): the server
+    uses it to make `tool_choice` "required" or named open a tool call right after `</think>`.
     """
 
     max_tokens: int | None = 16
@@ -32,6 +34,8 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    force_token_ids: list[int] = field(default_factory=list)
+    force_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,7 +49,7 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.temperature is None or self.temperature >= 0, "temperature", "must be >= 0"),
             (self.top_p is None or 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k is None or self.top_k == -1 or self.top_k >= 1, "top_k", "must be >= 1 or -1"),
+            (self.top_k in (None, -1) or self.top_k >= 1, "top_k", "must be >= 1 or -1"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty", "must be > 0"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),

@@ -93,3 +93,18 @@ def test_start_up_flag_errors(folder: Path, capsys: pytest.CaptureFixture):
     assert launch.main(["--model-path", str(folder), "--reasoning-parser", "deepseek-v3"]) == 2
     assert launch.main(["--model-path", str(folder), "--tp", "0"]) == 2
     assert "--tp-size must be >= 1" in capsys.readouterr().err
+
+
+def test_tool_choice_required_and_named_force_a_native_tool_call(folder: Path):
+    tm = manager(folder, tool_call_parser="glm47")
+    vocab = tm.tokenizer.get_vocab()
+    thinking = render(tm, [{"role": "user", "content": "hi"}], [TOOL])
+    assert tm.tool_call_forcing("auto", thinking) == {}
+    assert tm.tool_call_forcing("none", thinking) == {}
+    required = tm.tool_call_forcing("required", thinking)
+    assert required == {"force_token_ids": [vocab["<tool_call>"]],
+                        "force_after_token_id": vocab["</think>"]}  # fmt: skip
+    named = tm.tool_call_forcing({"type": "function", "function": {"name": "get_weather"}},
+                                 thinking.removesuffix("<think>") + "</think>")  # fmt: skip
+    assert named["force_after_token_id"] is None  # thinking off: the call opens at once
+    assert tm.tokenizer.decode(named["force_token_ids"]) == "<tool_call>get_weather"

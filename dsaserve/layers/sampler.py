@@ -56,9 +56,15 @@ class SamplingState:
             self._prompt_unique[cpu_ids.device] = cpu_ids
         self._out_buf = torch.empty(64 if self.has_penalties else 0, dtype=torch.long)
         self._out_len = 0
+        self._armed = params.force_after_token_id is not None  # waiting for the trigger
+        self.forced = [] if self._armed else list(params.force_token_ids)
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
+        if self.forced and token_id == self.forced[0]:
+            self.forced.pop(0)
+        elif self._armed and token_id == self.params.force_after_token_id:
+            self._armed, self.forced = False, list(self.params.force_token_ids)
         if not self.has_penalties:
             return
         if self._out_len == self._out_buf.numel():
@@ -114,6 +120,9 @@ class Sampler:
         else:
             work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             token_ids = self._sample(work, states)
+        for i, state in enumerate(states):
+            if state.forced:
+                token_ids[i] = state.forced[0]
         return SampleResult(token_ids, _logprobs(logits, token_ids, states))
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:

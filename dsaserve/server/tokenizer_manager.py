@@ -108,6 +108,22 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), str(e).split(" ")[0]) from e
 
+    def tool_call_forcing(self, tool_choice: Any, prompt: str) -> dict:
+        """Sampling fields that make `tool_choice` "required" or named open a tool call (and name
+        it) in the model's native format, right after `</think>` (or at once without thinking)."""
+        forcing = tool_choice == "required" or isinstance(tool_choice, dict)
+        if self.tool_parser is None or not forcing:
+            return {}
+        vocab = self.tokenizer.get_vocab()
+        if "<tool_call>" not in vocab:
+            return {}
+        forced = [vocab["<tool_call>"]]
+        if isinstance(tool_choice, dict):
+            forced += self.encode(tool_choice["function"]["name"])
+        thinking = prompt.rstrip().endswith("<think>") and "</think>" in vocab
+        trigger = vocab["</think>"] if thinking else None
+        return {"force_token_ids": forced, "force_after_token_id": trigger}
+
     def make_requests(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None
     ) -> list[GenerateRequest]:

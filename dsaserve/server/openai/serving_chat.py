@@ -50,6 +50,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     parsing = tm.reasoning_parser is not None or (tm.tool_parser is not None and bool(tools))
     if parsing:
         fields["skip_special_tokens"] = False  # the parsers need the markup tokens
+    fields.update(tm.tool_call_forcing(tool_choice, prompt))
     sampling = tm.sampling(fields, tm.fit_max_tokens(len(input_ids), max_tokens, param))
     return PreparedChat(
         prompt=prompt, input_ids=input_ids, sampling=sampling,
