@@ -116,7 +116,10 @@ def _load(url: str, model: Path, args: argparse.Namespace, out: dict) -> None:
             "--max-concurrency", str(args.concurrency), "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--random-range-ratio", "1",
             "--warmup-requests", "0", "--disable-progress"]  # fmt: skip
-    out["record"] = run(argv)
+    try:
+        out["record"] = run(argv)
+    except Exception as exc:  # the server went away (profiling failed): report, do not hang
+        out["error"] = f"{type(exc).__name__}: {exc}"
 
 
 def profile(args: argparse.Namespace, model: Path, raw: Path) -> tuple[dict, dict]:
@@ -133,9 +136,21 @@ def profile(args: argparse.Namespace, model: Path, raw: Path) -> tuple[dict, dic
         spy = [shutil.which("py-spy") or "py-spy", "record", "-p", str(pid), "-d",
                str(args.duration), "-r", str(args.rate), "-f", "raw", "-o", str(raw),
                "--nonblocking"]  # fmt: skip
-        subprocess.run(spy, check=True, capture_output=True, text=True)
+        done = subprocess.run(spy, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"py-spy failed: {done.stderr.strip()[-1000:]}")
         load.join()
     return breakdown(parse_raw(raw), args.top), out.get("record", {})
+
+
+def _meta(args: argparse.Namespace, source: str, record: dict) -> str:
+    tpot = record.get("mean_tpot_ms")
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip() or "unknown"  # fmt: skip
+    return (f"Code at `{commit}`, {source} checkpoint, {args.concurrency} requests at once "
+            f"({args.input_len} in, {args.output_len} out), {args.threads} thread(s), sampled "
+            f"{args.duration} s at {args.rate} Hz; mean TPOT over the run "
+            f"{'-' if tpot is None else f'{tpot:.0f}'} ms.")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--duration", type=int, default=20, help="seconds of sampling")
     ap.add_argument("--rate", type=int, default=50, help="samples per second")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--raw", default="", help="keep py-spy's raw stacks here")
     ap.add_argument("--out", default="bench/results/profile.md")
@@ -157,12 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         model, source = servers.prepare_checkpoint(args.model_path, Path(scratch))
         raw = Path(args.raw) if args.raw else Path(scratch) / "stacks.txt"
         result, record = profile(args, model, raw)
-    tpot = record.get("mean_tpot_ms")
-    meta = (f"{source} checkpoint, {args.concurrency} requests at once ({args.input_len} in, "
-            f"{args.output_len} out), {args.threads} thread(s), {args.duration} s at "
-            f"{args.rate} Hz; mean TPOT over the run "
-            f"{'-' if tpot is None else f'{tpot:.0f}'} ms")  # fmt: skip
-    text = to_markdown(result, meta)
+    text = to_markdown(result, _meta(args, source, record))
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text + "\n")
