@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -87,8 +88,9 @@ def breakdown(stacks: list[tuple[list[str], int]], top: int = 25) -> dict:
 
 
 def to_markdown(result: dict, meta: str) -> str:
-    lines = [meta, "", f"Samples: {result['samples']}, inside `Engine.step`: "
-             f"{result['step_share']:.1f}% (the rest: waiting for work, IPC, idle threads).",
+    lines = [textwrap.fill(meta, 100), "", f"Samples: {result['samples']}, inside `Engine.step`: "
+             f"{result['step_share']:.1f}% (the rest: waiting for work, IPC, idle threads). "
+             "Nested calls count in every caller (the indexer runs inside `MLAttention.forward`).",
              "", "| % of step (inclusive) | function |", "|---:|---|"]  # fmt: skip
     lines += [f"| {share:.1f} | `{name}` |" for name, share in result["inclusive"]]
     lines += ["", "| % of step (self) | line |", "|---:|---|"]
