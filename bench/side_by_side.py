@@ -108,7 +108,10 @@ def _run_one(argv: list[str]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in DETAIL_KEYS}
 
 
-def run_levels(args, model: Path, ours_url: str, peer_url: str) -> list[dict[str, Any]]:
+def run_levels(
+    args: argparse.Namespace, model: Path, ours_url: str, peer_url: str
+) -> list[dict[str, Any]]:
+    """Each concurrency on dsaserve, then on the reference; ratios when both ran."""
     levels = []
     for conc in _levels(args.concurrency):
         level: dict[str, Any] = {"concurrency": conc, "load_before": os.getloadavg()[0]}
@@ -124,7 +127,9 @@ def run_levels(args, model: Path, ours_url: str, peer_url: str) -> list[dict[str
     return levels
 
 
-def _flops(model: Path, levels: list[dict], peak: flops.Peak | None, args) -> dict[str, Any]:
+def _flops(
+    model: Path, levels: list[dict], peak: flops.Peak | None, args: argparse.Namespace
+) -> dict[str, Any]:
     top = next((lv for lv in levels if lv["concurrency"] == max(_levels(args.concurrency))), None)
     if peak is None or top is None:
         return {}
