@@ -60,3 +60,14 @@ def reference_greedy(reference, prompt: list[int], new_tokens: int) -> list[int]
     for _ in range(new_tokens):
         ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def test_row_blocked_workspace_gives_the_same_logits(case, monkeypatch):
+    """A tiny workspace splits every long run into many row blocks (what bounds memory for
+    long prompts); the logits must not change."""
+    reference, llm, prompts = case
+    monkeypatch.setattr("dsaserve.layers.indexer.WORKSPACE", 256)
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompts[-1]])).logits[0]
+    got = llm.engine.score(prompts[-1])
+    assert (got - expected).abs().max() / expected.abs().max() < 1e-4

@@ -16,13 +16,30 @@ from dsaserve.engine.forward_batch import ForwardBatch, current_batch
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig
 
+WORKSPACE = 1 << 24  # elements of the largest score/gather buffer one row block may take
+
 
 class Selection(NamedTuple):
-    """Selected context positions: per extend seq [q_len, ctx_len] bool, decodes [Bd, Lmax]; None
-    means all (dense)."""
+    """Selected context positions. Per extend run, the top-k positions of each row [q_len, k]
+    (long; picks beyond a row's own position are invalid and masked by the caller); for the
+    decode rows a mask [Bd, Lmax]. None means every position (dense)."""
 
     extends: list[torch.Tensor | None]
     decode: torch.Tensor | None
+
+
+def row_blocks(rows: int, cost_per_row: int) -> list[slice]:
+    """Split `rows` into blocks whose workspace (cost_per_row each) stays under WORKSPACE."""
+    size = max(1, WORKSPACE // max(cost_per_row, 1))
+    return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def extend_row_mask(chosen: torch.Tensor | None, row: int, length: int) -> torch.Tensor | None:
+    """The bool mask over [0, length) of row `row` of an extend run's selection."""
+    if chosen is None:
+        return None
+    picks = chosen[row][chosen[row] < length]
+    return torch.zeros(length, dtype=torch.bool, device=chosen.device).index_fill_(0, picks, True)
 
 
 class Indexer(nn.Module):
@@ -60,14 +77,18 @@ class Indexer(nn.Module):
     def _select_extend(self, batch: ForwardBatch, seq, q, weights, cache) -> torch.Tensor | None:
         if seq.ctx_len <= self.topk:
             return None
-        rows = slice(seq.q_start, seq.q_start + seq.q_len)
         keys = cache[seq.ctx_slots].float()  # [L, dI]
-        scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys))
-        scores = torch.einsum("nh,nhl->nl", weights[rows], scores)  # [n, L]
         first = seq.ctx_len - seq.q_len
-        causal = torch.arange(seq.ctx_len)[None, :] <= first + torch.arange(seq.q_len)[:, None]
-        scores = scores.masked_fill(~causal, float("-inf"))
-        return _topk_mask(scores, self.topk)
+        picks = []
+        for block in row_blocks(seq.q_len, self.n_heads * seq.ctx_len):
+            rows = slice(seq.q_start + block.start, seq.q_start + block.stop)
+            scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys))
+            scores = torch.einsum("nh,nhl->nl", weights[rows], scores)  # [b, L]
+            pos = first + torch.arange(block.start, block.stop)
+            causal = torch.arange(seq.ctx_len)[None, :] <= pos[:, None]
+            scores = scores.masked_fill(~causal, float("-inf"))
+            picks.append(scores.topk(self.topk, dim=-1).indices)
+        return torch.cat(picks)  # [n, topk]
 
     def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
         if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch
-from dsaserve.layers.indexer import Indexer, Selection
+from dsaserve.layers.indexer import Indexer, Selection, row_blocks
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig
@@ -70,21 +70,31 @@ class MLAttention(nn.Module):
         return self.o_proj(attn), selection
 
     def _attend_extend(self, q, ctx, seq, selected: torch.Tensor | None) -> torch.Tensor:
-        first = seq.ctx_len - seq.q_len
-        allowed = torch.arange(seq.ctx_len)[None, :] <= first + torch.arange(seq.q_len)[:, None]
-        if selected is not None:
-            allowed = allowed & selected
+        """Attention of one run's rows, in row blocks so the workspace stays bounded. Sparse rows
+        attend only their gathered top-k entries; dense runs (context <= index_topk) all."""
         ctx = ctx.to(q.dtype)
-        scores = torch.einsum("nhc,lc->hnl", q, ctx) * self.scale  # [H, n, L]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        first = seq.ctx_len - seq.q_len
+        out = q.new_empty(seq.q_len, self.n_heads, self.rank)
+        width = seq.ctx_len if selected is None else selected.shape[1]
+        for rows in row_blocks(seq.q_len, self.n_heads * width + width * ctx.shape[1]):
+            pos = first + torch.arange(rows.start, rows.stop)
+            if selected is None:
+                keys = ctx.expand(rows.stop - rows.start, -1, -1)  # [b, L, 576] (a view)
+                allowed = torch.arange(seq.ctx_len)[None, :] <= pos[:, None]
+            else:
+                keys = ctx[selected[rows]]  # [b, k, 576]
+                allowed = selected[rows] <= pos[:, None]
+            out[rows] = self._softmax_attend(q[rows], keys, allowed)
+        return out
+
+    def _softmax_attend(self, q, keys, allowed) -> torch.Tensor:
+        """q [b, H, 576] over keys [b, L, 576] where allowed [b, L]; returns [b, H, rank]."""
+        scores = torch.einsum("bhc,blc->bhl", q, keys) * self.scale
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("hnl,lr->nhr", probs, ctx[:, : self.rank])
+        return torch.einsum("bhl,blr->bhr", probs, keys[..., : self.rank])
 
     def _attend_decode(self, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
         allowed = batch.decode_valid if selected is None else batch.decode_valid & selected
         ctx = cache[batch.decode_slots].to(q_full.dtype)  # [Bd, Lmax, 576]
-        q = q_full[batch.decode_rows]  # [Bd, H, 576]
-        scores = torch.einsum("bhc,blc->bhl", q, ctx) * self.scale
-        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("bhl,blr->bhr", probs, ctx[..., : self.rank])
+        return self._softmax_attend(q_full[batch.decode_rows], ctx, allowed)
