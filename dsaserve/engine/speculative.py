@@ -42,7 +42,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.engine.spec_report import SpecCounters, SpecReport
-from dsaserve.layers.indexer import Selection, extend_row_mask
+from dsaserve.layers.indexer import Selection, row_mask
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
@@ -242,9 +242,8 @@ class SpecDecoder:
         extends, decode_row, out = iter(selection.extends), 0, []
         for s, e in zip(starts, ends):
             if e - s > 1:
-                out.append(extend_row_mask(next(extends), e - s - 1, e))
+                out.append(row_mask(next(extends), e - s - 1, e))
             else:
-                chosen = selection.decode
-                out.append(None if chosen is None else chosen[decode_row, :e])
+                out.append(row_mask(selection.decode, decode_row, e))
                 decode_row += 1
         return out

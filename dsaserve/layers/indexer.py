@@ -20,9 +20,9 @@ WORKSPACE = 1 << 24  # elements of the largest score/gather buffer one row block
 
 
 class Selection(NamedTuple):
-    """Selected context positions. Per extend run, the top-k positions of each row [q_len, k]
-    (long; picks beyond a row's own position are invalid and masked by the caller); for the
-    decode rows a mask [Bd, Lmax]. None means every position (dense)."""
+    """Selected context positions: per extend run, the top-k positions of each row [q_len, k];
+    for the decode rows, positions into the padded context [Bd, k] (or a bool mask [Bd, Lmax]).
+    Picks beyond a row's own context are invalid and masked by the caller. None: every position."""
 
     extends: list[torch.Tensor | None]
     decode: torch.Tensor | None
@@ -34,10 +34,10 @@ def row_blocks(rows: int, cost_per_row: int) -> list[slice]:
     return [slice(start, min(start + size, rows)) for start in range(0, rows, size)]
 
 
-def extend_row_mask(chosen: torch.Tensor | None, row: int, length: int) -> torch.Tensor | None:
-    """The bool mask over [0, length) of row `row` of an extend run's selection."""
-    if chosen is None:
-        return None
+def row_mask(chosen: torch.Tensor | None, row: int, length: int) -> torch.Tensor | None:
+    """The bool mask over [0, length) of row `row` of a selection (top-k positions or a mask)."""
+    if chosen is None or chosen.dtype == torch.bool:
+        return None if chosen is None else chosen[row, :length]
     picks = chosen[row][chosen[row] < length]
     return torch.zeros(length, dtype=torch.bool, device=chosen.device).index_fill_(0, picks, True)
 
@@ -98,11 +98,4 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows].float(), keys))
         scores = torch.einsum("bh,bhl->bl", weights[rows], scores)
         scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
-        return _topk_mask(scores, self.topk)
-
-
-def _topk_mask(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Bool mask of each row's top-k positions (rows with fewer finite scores keep them all;
-    the caller's causal/validity mask removes the -inf picks)."""
-    index = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, True)
+        return scores.topk(self.topk, dim=-1).indices  # [Bd, topk]

@@ -95,6 +95,11 @@ class MLAttention(nn.Module):
         return torch.einsum("bhl,blr->bhr", probs, keys[..., : self.rank])
 
     def _attend_decode(self, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
-        allowed = batch.decode_valid if selected is None else batch.decode_valid & selected
-        ctx = cache[batch.decode_slots].to(q_full.dtype)  # [Bd, Lmax, 576]
+        """Decode rows attend their whole (padded) context, or only their top-k entries."""
+        slots, allowed = batch.decode_slots, batch.decode_valid
+        if selected is not None and selected.dtype == torch.bool:
+            allowed = allowed & selected
+        elif selected is not None:
+            slots, allowed = slots.gather(1, selected), allowed.gather(1, selected)  # [Bd, k]
+        ctx = cache[slots].to(q_full.dtype)  # [Bd, L or k, 576]
         return self._softmax_attend(q_full[batch.decode_rows], ctx, allowed)
