@@ -59,22 +59,37 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
         flat = index.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
         token_of = order // index.shape[1]
-        weight_of = weights.flatten()[order]
+        weight_of = weights.flatten()[order, None]
+        cap = int(counts.max())
+        if counts.numel() * cap <= 2 * flat.numel():  # little padding: one batched GEMM pair
+            y = self._padded(x[token_of], flat[order], counts, cap)
+        else:
+            y = torch.cat([self._expert(e, rows) for e, rows in self._groups(x, token_of, counts)])
+        return torch.zeros_like(x).index_add_(0, token_of, (y * weight_of).to(x.dtype))
+
+    def _groups(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor):
         start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = token_of[start : start + count]
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, tokens, (y * weight_of[start : start + count, None]).to(x.dtype))
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                yield expert, x[token_of[start : start + count]]
             start += count
-        return out
+
+    def _expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[expert])
+
+    def _padded(self, rows, experts, counts, cap: int) -> torch.Tensor:
+        """All experts at once over rows padded to `cap` per expert: [E, cap, H] GEMMs."""
+        slot = torch.arange(rows.shape[0]) - (torch.cumsum(counts, 0) - counts)[experts]
+        padded = rows.new_zeros(counts.numel(), cap, rows.shape[1])
+        padded[experts, slot] = rows
+        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, cap, H]
+        return y[experts, slot]
 
 
 class MoE(nn.Module):
