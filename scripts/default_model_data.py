@@ -303,7 +303,7 @@ class Generator:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
         kind = rng.choices(
             ["pct", "mul", "greet", "weather", "time", "search", "nowtool"],
-            weights=[40, 10, 6, 18, 8, 8, 3],
+            weights=[44, 12, 6, 14, 6, 6, 3],
         )[0]
         tools = self._tools_for(kind)
         turns = 1 + (rng.random() < 0.25)

@@ -24,6 +24,13 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
 )
 
 
+GENERIC_CONFIG_KEYS = {
+    "_attn_implementation", "_name_or_path", "id2label", "label2id", "chunk_size_feed_forward",
+    "is_encoder_decoder", "output_attentions", "output_hidden_states", "return_dict",
+    "problem_type",
+}  # fmt: skip
+
+
 class SharedHead(nn.Module):
     """Holds only the MTP output norm; the head itself is the main lm_head."""
 
@@ -105,8 +112,7 @@ def save_checkpoint(model, mtp: MtpLayer | None, out: Path) -> None:
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     tensors |= {prefix + k: v.detach().contiguous() for k, v in mtp.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config.pop("_attn_implementation", None)
+    config = {k: v for k, v in model.config.to_dict().items() if k not in GENERIC_CONFIG_KEYS}
     config["architectures"] = ["GlmMoeDsaForCausalLM"]
     config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

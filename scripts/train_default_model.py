@@ -23,6 +23,7 @@ from pathlib import Path
 import default_model_fast as fast
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaTopkRouter
 
@@ -39,11 +40,11 @@ def model_config(tokenizer) -> GlmMoeDsaConfig:
         vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512,
         moe_intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=16,
+        routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=32,
         qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, norm_topk_prob=True,
         max_position_embeddings=65536, rms_norm_eps=1e-5, first_k_dense_replace=1,
-        index_topk=64, index_head_dim=32, index_n_heads=8,
-        rope_parameters={"rope_theta": 8000000.0, "rope_type": "default"},
+        index_topk=64, index_head_dim=64, index_n_heads=8,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=ids, pad_token_id=ids[0],
         num_nextn_predict_layers=1, initializer_range=0.02,
     )  # fmt: skip
@@ -112,6 +113,9 @@ def train_main(model, stream, args, log) -> None:
                  "elapsed_s": round(time.time() - start, 1)})  # fmt: skip
         if args.save_every and step and step % args.save_every == 0:
             save_checkpoint(model, None, args.out)
+        if step + 1 == args.stop_after:
+            save_checkpoint(model, None, args.out)
+            raise SystemExit(f"stopped after {args.stop_after} steps (--stop-after)")
     model.eval()
 
 
@@ -122,16 +126,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=MODEL_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--train-samples", type=int, default=40000)
-    parser.add_argument("--steps", type=int, default=900)
-    parser.add_argument("--mtp-steps", type=int, default=250)
-    parser.add_argument("--token-budget", type=int, default=6144)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup", type=int, default=40)
-    parser.add_argument("--dense-fraction", type=float, default=0.55)
+    parser.add_argument("--train-samples", type=int, default=16000)
+    parser.add_argument("--steps", type=int, default=330)
+    parser.add_argument("--mtp-steps", type=int, default=80)
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--dense-fraction", type=float, default=0.5)
     parser.add_argument("--kl-weight", type=float, default=1.0)
     parser.add_argument("--kl-rows", type=int, default=2, help="sequences per batch in the KL")
     parser.add_argument("--save-every", type=int, default=100)
+    parser.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps")
+    parser.add_argument("--init-from", type=Path, help="start from this folder's main weights")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -151,6 +157,11 @@ def main() -> None:
     config = model_config(tokenizer)
     config._attn_implementation = "eager"
     model = GlmMoeDsaForCausalLM(config)
+    if args.init_from:
+        state = load_file(args.init_from / "model.safetensors")
+        prefix = f"model.layers.{config.num_hidden_layers}."
+        model.load_state_dict({k: v for k, v in state.items() if not k.startswith(prefix)})
+        log({"stage": "init", "from": str(args.init_from)})
     probe = next(batches(data, 1024, random.Random(1), tokenizer.pad_token_id))
     median, frac_off = fast.check_matches_reference(model, probe.input_ids, probe.attention_mask, 8)
     log({"stage": "check", "median_abs_logit_diff": median, "fraction_off": frac_off})
