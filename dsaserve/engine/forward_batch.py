@@ -45,6 +45,11 @@ class ForwardBatch:
         return self.decode_valid.sum(dim=1)
 
 
+def gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slots of any shape (index_select is several times faster on CPU)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[-1])
+
+
 _current: list[ForwardBatch] = []
 
 

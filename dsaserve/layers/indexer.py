@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig
 
@@ -68,7 +68,7 @@ class Indexer(nn.Module):
         k = torch.cat([apply_rotary(k[..., : self.rope_dim], cos, sin, self.interleave),
                        k[..., self.rope_dim :]], dim=-1)  # fmt: skip
         cache = batch.index_cache[self.cache_index]
-        cache[batch.out_slots] = k.to(cache.dtype)
+        cache.index_copy_(0, batch.out_slots, k.to(cache.dtype))
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
         weights = weights * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [T, nI]
         extends = [self._select_extend(batch, seq, q, weights, cache) for seq in batch.extends]
@@ -77,7 +77,7 @@ class Indexer(nn.Module):
     def _select_extend(self, batch: ForwardBatch, seq, q, weights, cache) -> torch.Tensor | None:
         if seq.ctx_len <= self.topk:
             return None
-        keys = cache[seq.ctx_slots].float()  # [L, dI]
+        keys = gather_rows(cache, seq.ctx_slots).float()  # [L, dI]
         first = seq.ctx_len - seq.q_len
         picks = []
         for block in row_blocks(seq.q_len, self.n_heads * seq.ctx_len):
@@ -93,7 +93,7 @@ class Indexer(nn.Module):
     def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
         if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:
             return None
-        keys = cache[batch.decode_slots].float()  # [Bd, Lmax, dI]
+        keys = gather_rows(cache, batch.decode_slots).float()  # [Bd, Lmax, dI]
         rows = batch.decode_rows
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows].float(), keys))
         scores = torch.einsum("bh,bhl->bl", weights[rows], scores)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection, row_blocks
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import apply_rotary
@@ -55,7 +55,8 @@ class MLAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         k_pe = apply_rotary(k_pe, cos, sin, interleave=True)
         cache = batch.kv_cache[self.layer_id]
-        cache[batch.out_slots] = torch.cat([self.kv_a_layernorm(latent), k_pe], -1).to(cache.dtype)
+        entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
+        cache.index_copy_(0, batch.out_slots, entry.to(cache.dtype))
         selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
         w_uk, w_uv = self.absorbed()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
@@ -63,7 +64,8 @@ class MLAttention(nn.Module):
         out = q_full.new_empty(q_full.shape[0], self.n_heads, self.rank)
         for seq, selected in zip(batch.extends, selection.extends):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            out[rows] = self._attend_extend(q_full[rows], cache[seq.ctx_slots], seq, selected)
+            ctx = gather_rows(cache, seq.ctx_slots)
+            out[rows] = self._attend_extend(q_full[rows], ctx, seq, selected)
         if batch.decode_rows.numel():
             out[batch.decode_rows] = self._attend_decode(q_full, cache, batch, selection.decode)
         attn = torch.einsum("thr,hvr->thv", out, w_uv).reshape(x.shape[0], -1)
@@ -101,5 +103,5 @@ class MLAttention(nn.Module):
             allowed = allowed & selected
         elif selected is not None:
             slots, allowed = slots.gather(1, selected), allowed.gather(1, selected)  # [Bd, k]
-        ctx = cache[slots].to(q_full.dtype)  # [Bd, L or k, 576]
+        ctx = gather_rows(cache, slots).to(q_full.dtype)  # [Bd, L or k, 576]
         return self._softmax_attend(q_full[batch.decode_rows], ctx, allowed)
