@@ -206,7 +206,8 @@ def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) 
     dest = name.lstrip("-").replace("-", "_")
     default = ServerArgs.__dataclass_fields__[dest]
     if "default" not in kw and kw.get("action") not in ("store_true",):
-        kw["default"] = None if default.default is dataclasses.MISSING else default.default
+        factory = default.default_factory
+        kw["default"] = factory() if factory is not dataclasses.MISSING else default.default
     parser.add_argument(name, *aliases, dest=dest, **kw)
 
 

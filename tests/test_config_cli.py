@@ -81,6 +81,9 @@ def test_server_args_refuse_bad_values():
         ServerArgs(page_size=0)
     with pytest.raises(ArgsError, match="--default-chat-template-kwargs"):
         ServerArgs(default_chat_template_kwargs="[1]")
+    from dsaserve.assets import default_model_path
+
+    assert ServerArgs.from_cli([]).model_path == str(default_model_path())  # `dsaserve serve`
     args = ServerArgs.from_cli(["--tp", "8", "--mem-fraction-static", "0.8", "--model", "x"])
     assert (args.tp_size, args.mem_fraction_static, args.model_path) == (8, 0.8, "x")
 
