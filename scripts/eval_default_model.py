@@ -174,9 +174,12 @@ def main() -> None:
     start = time.time()
     report = {"index_topk": model.config.index_topk}
     gen = Generator(4321, "test")
-    report |= eval_percent(model, tokenizer, gen, args.percent)
-    report |= eval_tools(model, tokenizer, gen, args.tools)
-    report |= eval_mtp(model, args.model, tokenizer, args.mtp_samples)
+    if args.percent:
+        report |= eval_percent(model, tokenizer, gen, args.percent)
+    if args.tools:
+        report |= eval_tools(model, tokenizer, gen, args.tools)
+    if args.mtp_samples:
+        report |= eval_mtp(model, args.model, tokenizer, args.mtp_samples)
     for question, tools in (
         ("What is 15% of 240?", None),
         ("What's the weather in Paris?", ALL_TOOLS),
