@@ -23,7 +23,6 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     GlmMoeDsaRMSNorm,
 )
 
-
 GENERIC_CONFIG_KEYS = {
     "_attn_implementation", "_name_or_path", "id2label", "label2id", "chunk_size_feed_forward",
     "is_encoder_decoder", "output_attentions", "output_hidden_states", "return_dict",
