@@ -65,7 +65,7 @@ class Experts(nn.Module):
         token_of = order // index.shape[1]
         weight_of = weights.flatten()[order, None]
         cap = int(counts.max())
-        if counts.numel() * cap <= 2 * flat.numel():  # little padding: one batched GEMM pair
+        if counts.numel() * cap <= 4 * flat.numel():  # little padding: one batched GEMM pair
             y = self._padded(x[token_of], flat[order], counts, cap)
         else:
             y = torch.cat([self._expert(e, rows) for e, rows in self._groups(x, token_of, counts)])
