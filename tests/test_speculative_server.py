@@ -39,11 +39,15 @@ def test_server_reports_accept_length(checkpoint):
         meta = native["meta_info"]
         assert meta["spec_verify_ct"] > 0
         assert meta["spec_accept_length"] == pytest.approx(12 / meta["spec_verify_ct"])
+        proposed = meta["spec_num_proposed_drafts"]
+        assert proposed == 2 * meta["spec_verify_ct"]  # two draft tokens per verify step
+        assert meta["spec_accept_rate"] == pytest.approx(meta["spec_num_correct_drafts"] / proposed)
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         assert info["internal_states"][0]["avg_spec_accept_length"] >= 1.0
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         line = next(m for m in metrics.splitlines() if m.startswith("sglang:spec_accept_length"))
         assert float(line.rsplit(" ", 1)[1]) >= 1.0
+        assert any(m.startswith("sglang:spec_accept_rate") for m in metrics.splitlines())
 
 
 def test_serve_refuses_checkpoint_without_mtp(tmp_path):

@@ -39,6 +39,7 @@ class Metrics:
             "token_usage": "KV cache usage (0-1)", "cache_hit_rate": "Prefix cache hit rate",
             "gen_throughput": "Generation throughput (tokens/s)",
             "spec_accept_length": "Average speculative accept length",
+            "spec_accept_rate": "Speculative accept rate (correct / proposed drafts)",
         }  # fmt: skip
         self.gauges = {k: Gauge(f"sglang:{k}", h, labels, registry=r) for k, h in gauges.items()}
         self.model = model_name
@@ -90,6 +91,7 @@ class Metrics:
             "cache_hit_rate": stats.get("cache_hit_rate", 0.0) or 0.0,
             "gen_throughput": self._throughput(),
             "spec_accept_length": stats.get("avg_spec_accept_length", 0.0) or 0.0,
+            "spec_accept_rate": stats.get("spec_accept_rate", 0.0) or 0.0,
         }
         for name, value in values.items():
             self.gauges[name].labels(self.model).set(float(value))

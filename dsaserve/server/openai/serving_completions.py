@@ -159,6 +159,9 @@ def _native(parts: list[Any]) -> dict:
     }  # fmt: skip
     if last.spec_accept_length is not None:
         meta["spec_accept_length"] = last.spec_accept_length
+        meta["spec_accept_rate"] = last.spec_accept_rate
+        meta["spec_num_correct_drafts"] = last.spec_num_correct_drafts
+        meta["spec_num_proposed_drafts"] = last.spec_num_proposed_drafts
     return {
         "text": "".join(p.text for p in parts),
         "output_ids": [t for p in parts for t in p.token_ids],
