@@ -141,7 +141,8 @@ def _check(args: ServerArgs) -> None:
         raise ArgsError("--cp-strategy interleave does not support DP attention: use --dp 1")
     if args.enable_prefill_cp and args.disaggregation_mode == "decode":
         raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
-    speculative_settings(args)
+    if args.speculative_algorithm in (None, "EAGLE", "NEXTN"):
+        speculative_settings(args)  # other algorithms parse (SGLang's names) and fail at start
 
 
 SPEC_DEFAULT_STEPS = 3

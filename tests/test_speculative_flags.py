@@ -20,13 +20,18 @@ from dsaserve.args import ArgsError, ServerArgs, speculative_settings
          "use --speculative-eagle-topk 1"),
         (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "0"],
          "--speculative-num-steps must be >= 1"),
-        (["--speculative-algorithm", "EAGLE3"], "use EAGLE"),
         (["--speculative-num-steps", "3"], "need --speculative-algorithm EAGLE"),
     ],
 )  # fmt: skip
 def test_bad_combinations_fail_at_parse(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
         ServerArgs.from_cli(argv)
+
+
+def test_other_sglang_algorithms_parse_but_are_refused_at_start():
+    args = ServerArgs.from_cli(["--speculative-algorithm", "EAGLE3"])  # planner/guide commands
+    with pytest.raises(ArgsError, match="use EAGLE"):
+        speculative_settings(args)
 
 
 @pytest.mark.parametrize(
