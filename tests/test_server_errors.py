@@ -113,7 +113,8 @@ def test_disconnects_free_kv(main_server: Server):
 
 def test_duplicate_rid_is_refused_without_harming_the_first(main_server: Server):
     url = main_server.url + "/v1/chat/completions"
-    body = {"model": "m", "messages": USER, "max_tokens": 30, "ignore_eos": True, "rid": "dup"}
+    # long enough that the first is still running when the second arrives
+    body = {"model": "m", "messages": USER, "max_tokens": 400, "ignore_eos": True, "rid": "dup"}
     with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as first:
         lines = filter(None, first.iter_lines())
         next(lines)
