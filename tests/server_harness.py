@@ -74,13 +74,14 @@ def write_scripts(folder: Path, scripts: dict) -> Path:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path, *flags: str, env: dict | None = None, scripts: Path | None = None
+    model: Path | None, *flags: str, env: dict | None = None, scripts: Path | None = None
 ) -> Iterator[Server]:
     """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     if scripts is not None:
         full_env["DSASERVE_TEST_SCRIPTS"] = str(scripts)
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
+    model_flags = [] if model is None else ["--model-path", str(model)]  # None: embedded model
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", *model_flags,
                "--port", "0", "--max-total-tokens", "4096", "--page-size", "16",
                *flags]  # fmt: skip
     process = subprocess.Popen(

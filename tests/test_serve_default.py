@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import httpx
-from server_harness import Server, _wait_ready, stop_group
+from server_harness import running_server
 
 from dsaserve.assets import default_model_path
 
 
 def test_dsaserve_serve_without_a_model_path_serves_the_embedded_model():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--port", "0",
-               "--max-total-tokens", "4096"]  # fmt: skip
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    server = Server("", process)
-    try:
-        server.url = _wait_ready(server)
+    with running_server(None) as server:
         models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
         assert models["data"][0]["id"] == default_model_path().name
         reply = httpx.post(
@@ -31,5 +18,3 @@ def test_dsaserve_serve_without_a_model_path_serves_the_embedded_model():
                   "messages": [{"role": "user", "content": "What is 15% of 240?"}]},
         )  # fmt: skip
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
-    finally:
-        stop_group(process)
