@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +26,9 @@ from typing import NamedTuple
 import httpx
 
 from dsaserve.assets import default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from server_harness import group_members, stop_group  # noqa: E402, F401  (one process-group stopper)
 
 DSASERVE_READY = re.compile(r"dsaserve ready: (http://\S+)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -193,30 +195,3 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(5)
-    deadline = time.monotonic() + 5.0
-    while group_members(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, from /proc (Linux)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(stat.parent.name))
-    return members

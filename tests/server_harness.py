@@ -117,7 +117,7 @@ def _wait_ready(server: Server) -> str:
 
 
 def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL whatever is left."""
+    """SIGTERM the process group, then SIGKILL whatever is left."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -125,7 +125,22 @@ def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait(5)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+    deadline = time.monotonic() + 5.0
+    while group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc (Linux)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(stat.parent.name))
+    return members
 
 
 def group_alive(pgid: int) -> bool:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,42 +18,16 @@ from transformers import AutoTokenizer, GenerationConfig, GlmMoeDsaForCausalLM
 
 from dsaserve.assets import default_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from default_model_data import SEARCH_TOOL as SEARCH  # noqa: E402  (the tools it was trained on)
+from default_model_data import WEATHER_TOOL as WEATHER  # noqa: E402
+
 MODEL_DIR = default_model_path()
 SPECIAL = [
     "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
     "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
     "</arg_value>", "<tool_response>", "</tool_response>", "<|endoftext|>",
 ]  # fmt: skip
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city name, e.g. Paris"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the web.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string", "description": "What to search for"},
-                "max_results": {"type": "integer", "description": "How many results"},
-            },
-            "required": ["query"],
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")
