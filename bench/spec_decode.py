@@ -1,18 +1,21 @@
 """Batch-1 decode speed with MTP speculative decoding on vs off, in one run.
 
-    python bench/spec_decode.py [--model-path DIR] [--steps 1,2,3] [--output-len 128]
-                                [--threads N] [--json bench/results/spec_decode.json]
+    python bench/spec_decode.py [--model-path DIR] [--steps 1,2,3] [--output-len 256]
+                                [--ignore-eos] [--threads N] [--json bench/results/spec_decode.json]
 
-Default model: the embedded one (its own kind of prompts: chat questions through its chat
-template). Each prompt runs alone (batch 1), greedy, a fixed number of output tokens; decode
-tokens/s counts the tokens after the first over the time after the first (prefill excluded).
-The speculative outputs are checked token-for-token against the plain ones.
+Prompts: for the embedded model, its own kind: the first user turn (with its tools and template
+kwargs) of held-out conversations from `scripts/default_model_data.py`; for other checkpoints,
+the chat questions below through their chat template. Each prompt runs alone (batch 1), greedy,
+until the model stops (or --output-len tokens; --ignore-eos forces that many); decode tokens/s
+counts the tokens after the first over the time after the first (prefill excluded). The
+speculative outputs are checked token-for-token against the plain ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,8 +43,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model-path", default=str(default_model_path()))
     ap.add_argument("--steps", default="3", help="comma list of --speculative-num-steps")
-    ap.add_argument("--num-prompts", type=int, default=len(QUESTIONS))
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=256, help="max tokens per request")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --output-len")
     ap.add_argument("--repeats", type=int, default=2, help="timed passes over the prompts")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--device", default="auto")
@@ -60,7 +64,10 @@ def main() -> None:
 
 
 def run(args) -> dict:
-    prompts = chat_prompts(args.model_path, args.num_prompts)
+    if Path(args.model_path).resolve() == default_model_path().resolve():
+        prompts = own_kind_prompts(args.model_path, args.num_prompts)
+    else:
+        prompts = chat_prompts(args.model_path, args.num_prompts)
     base_args = {"max_total_tokens": 16384, "device": args.device,
                  "json_model_override_args": args.json_model_override_args}  # fmt: skip
     plain = measure(LLM(args.model_path, **base_args), prompts, args)
@@ -97,8 +104,26 @@ def chat_prompts(model_path: str, n: int) -> list[list[int]]:
     return prompts
 
 
+def own_kind_prompts(model_path: str, n: int) -> list[list[int]]:
+    """First user turns of held-out training-style conversations, rendered as in training."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from default_model_data import Generator  # noqa: PLC0415  (the training data's generator)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    gen, prompts = Generator(2024, "test"), []
+    for _ in range(n):
+        sample = gen.sample()
+        first_user = next(i for i, m in enumerate(sample.messages) if m["role"] == "user")
+        text = tokenizer.apply_chat_template(
+            sample.messages[: first_user + 1], tools=sample.tools, add_generation_prompt=True,
+            tokenize=False, **sample.kwargs,
+        )  # fmt: skip
+        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return prompts
+
+
 def measure(llm: LLM, prompts: list[list[int]], args) -> dict:
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=args.ignore_eos)
     one(llm, prompts[0], params)  # warm-up
     decode_tokens, decode_s, outputs = 0, 0.0, []
     for _ in range(args.repeats):

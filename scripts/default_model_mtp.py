@@ -87,10 +87,7 @@ def train_mtp(model, stream, args, log, lm_loss) -> MtpLayer:
         batch = next(stream)
         with torch.no_grad():
             hidden = fast.forward(model, batch.input_ids, batch.attention_mask, sparse=True).hidden
-        out, kl = mtp.draft(
-            model, batch.input_ids, hidden, batch.attention_mask, sparse, args.kl_rows
-        )
-        loss = lm_loss(model.lm_head, out, batch.input_ids, batch.loss_mask, shift=2)
+        loss, kl = rollout_loss(model, mtp, batch, hidden, sparse, args, lm_loss)
         optim.zero_grad(set_to_none=True)
         (loss + args.kl_weight * kl).backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
@@ -100,6 +97,26 @@ def train_mtp(model, stream, args, log, lm_loss) -> MtpLayer:
             log({"stage": "mtp", "step": step, "sparse": sparse, "lm": round(loss.item(), 4),
                  "index_kl": round(kl.item(), 4), "elapsed_s": elapsed})  # fmt: skip
     return mtp.eval()
+
+
+def rollout_loss(model, mtp: MtpLayer, batch, hidden, sparse: bool, args, lm_loss):
+    """Mean LM loss of `args.mtp_rollout` chained draft steps, and the first step's indexer KL.
+
+    Step 1 predicts t_{i+2} from the main model's hidden at i; step k > 1 predicts t_{i+k+1} from
+    step k-1's own output (shared_head.norm(h')), teacher-forced tokens, as the chained draft
+    runs at serving time (EAGLE's training-time test), so later draft positions are accepted more.
+    """
+    ids, mask, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
+    losses, kl = [], None
+    for k in range(args.mtp_rollout):
+        if ids.shape[1] < 3:
+            break
+        hidden, step_kl = mtp.draft(model, ids, hidden, mask, sparse, args.kl_rows if k == 0 else 0)
+        kl = step_kl if kl is None else kl
+        if loss_mask[:, 2:].any():
+            losses.append(lm_loss(model.lm_head, hidden, ids, loss_mask, shift=2))
+        ids, mask, loss_mask = ids[:, 1:], mask[:, 1:], loss_mask[:, 1:]
+    return torch.stack(losses).mean(), kl
 
 
 def save_checkpoint(model, mtp: MtpLayer | None, out: Path) -> None:

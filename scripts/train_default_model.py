@@ -129,6 +129,12 @@ def main() -> None:
     parser.add_argument("--train-samples", type=int, default=16000)
     parser.add_argument("--steps", type=int, default=330)
     parser.add_argument("--mtp-steps", type=int, default=80)
+    parser.add_argument(
+        "--mtp-rollout",
+        type=int,
+        default=1,
+        help="chained draft steps trained per MTP step (EAGLE-style)",
+    )
     parser.add_argument("--token-budget", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30)
