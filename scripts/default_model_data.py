@@ -90,6 +90,10 @@ TOPICS = [
 ]  # fmt: skip
 PERCENTS = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 60, 70, 80, 90]
 THINK_KINDS = ("think", "nothink")
+# Conversation kinds and their sampling weights. Runs before run F used search=6 (and so
+# pct=44, mul=12); held-out search topics were then copied only half the time.
+KIND_WEIGHTS = {"pct": 38, "mul": 10, "greet": 6, "weather": 14, "time": 6, "search": 18,
+                "nowtool": 3}  # fmt: skip
 
 
 @dataclass
@@ -174,7 +178,8 @@ MUL_QUESTIONS = ["What is {a} × {b}?", "What is {a} times {b}?", "Compute {a} *
 class Generator:
     """Draws samples of every kind from one seeded RNG, for one split ("train" or "test")."""
 
-    def __init__(self, seed: int, split: str) -> None:
+    def __init__(self, seed: int, split: str, weights: dict[str, int] | None = None) -> None:
+        self.weights = KIND_WEIGHTS | (weights or {})
         self.rng = random.Random(seed)
         self.split = split
         test = split == "test"
@@ -301,10 +306,7 @@ class Generator:
         messages: list[dict] = []
         if rng.random() < 0.25:
             messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
-        kind = rng.choices(
-            ["pct", "mul", "greet", "weather", "time", "search", "nowtool"],
-            weights=[44, 12, 6, 14, 6, 6, 3],
-        )[0]
+        kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
         tools = self._tools_for(kind)
         turns = 1 + (rng.random() < 0.25)
         for turn in range(turns):
@@ -373,9 +375,9 @@ GREETINGS = [
 ]  # fmt: skip
 
 
-def samples(seed: int, split: str, count: int) -> list[Sample]:
+def samples(seed: int, split: str, count: int, weights: dict | None = None) -> list[Sample]:
     """`count` seeded samples of the given split."""
-    gen = Generator(seed, split)
+    gen = Generator(seed, split, weights)
     return [gen.sample() for _ in range(count)]
 
 

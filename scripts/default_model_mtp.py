@@ -16,7 +16,7 @@ from pathlib import Path
 
 import default_model_fast as fast
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
     GlmMoeDsaDecoderLayer,
@@ -80,6 +80,10 @@ def init_mtp(model) -> MtpLayer:
 def train_mtp(model, stream, args, log, lm_loss) -> MtpLayer:
     model.requires_grad_(False)
     mtp = init_mtp(model)
+    if args.mtp_init_from:  # continue an MTP layer trained on these main weights
+        prefix = f"model.layers.{model.config.num_hidden_layers}."
+        state = load_file(args.mtp_init_from / "model.safetensors")
+        mtp.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
     optim = torch.optim.AdamW(mtp.parameters(), lr=args.lr * 0.5, betas=(0.9, 0.95))
     start = time.time()
     for step in range(args.mtp_steps):

@@ -119,6 +119,11 @@ def train_main(model, stream, args, log) -> None:
     model.eval()
 
 
+def _weights(text: str) -> dict[str, int]:
+    pairs = [item.split("=") for item in text.split(",") if item]
+    return {kind: int(weight) for kind, weight in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -144,6 +149,15 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps")
     parser.add_argument("--init-from", type=Path, help="start from this folder's main weights")
+    parser.add_argument(
+        "--mtp-init-from", type=Path, help="start the MTP layer from this folder's MTP"
+    )
+    parser.add_argument(
+        "--kind-weights",
+        type=_weights,
+        default={},
+        help="override data mix weights, e.g. pct=44,mul=12,search=6",
+    )
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -158,7 +172,8 @@ def main() -> None:
         log_file.write(json.dumps(record) + "\n")
         log_file.flush()
 
-    data = [encode(s, tokenizer) for s in samples(args.seed, "train", args.train_samples)]
+    drawn = samples(args.seed, "train", args.train_samples, args.kind_weights)
+    data = [encode(s, tokenizer) for s in drawn]
     log({"stage": "data", "examples": len(data), "tokens": sum(len(e.ids) for e in data)})
     config = model_config(tokenizer)
     config._attn_implementation = "eager"

@@ -175,11 +175,7 @@ def test_template_history_tool_calls_and_results(tokenizer):
 
 
 # ---- behaviour (greedy, DSA top-k active) ------------------------------------------------------
-# Format checks are hard asserts. Exact answers are strict xfails while the committed checkpoint
-# misses them (see the folder's README for the measured rates): a checkpoint that gets one right
-# makes its test fail as XPASS, so the marker has to come off with it (issue 4 is open on this).
 
-ANSWERS_SHAKY = pytest.mark.xfail(strict=True, reason="content accuracy below target; README")
 CALL_RE = re.compile(
     r"<tool_call>([^<]*)((?:<arg_key>.*?</arg_key><arg_value>.*?</arg_value>)*)</tool_call>", re.S
 )
@@ -231,7 +227,6 @@ def test_percentage_reasoning_format_and_rerender(model, tokenizer, pct, number)
     assert again[: len(prompt) + len(out)] == prompt + out
 
 
-@ANSWERS_SHAKY
 @pytest.mark.parametrize("pct,number", [(15, 240), (70, 830)])
 def test_percentage_answer_is_correct(model, tokenizer, pct, number):
     _, _, out = ask_percent(model, tokenizer, pct, number)
@@ -263,7 +258,6 @@ def test_tool_prompt_gives_a_parsable_call_that_rerenders(model, tokenizer):
     assert again["input_ids"][: len(prompt) + len(out)] == prompt + out
 
 
-@ANSWERS_SHAKY
 def test_weather_call_has_the_right_name_and_city(model, tokenizer):
     *_, content = call_weather(model, tokenizer)
     calls = parse_calls(content, [WEATHER, SEARCH])
@@ -271,7 +265,6 @@ def test_weather_call_has_the_right_name_and_city(model, tokenizer):
     assert calls[0]["arguments"].get("city") == "Paris", content
 
 
-@ANSWERS_SHAKY
 def test_answer_after_tool_result_uses_it(model, tokenizer):
     result = {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny"}
     history = [
@@ -286,7 +279,6 @@ def test_answer_after_tool_result_uses_it(model, tokenizer):
     assert "18 degrees" in final and "sunny" in final, final
 
 
-@ANSWERS_SHAKY
 def test_search_call_has_integer_argument(model, tokenizer):
     msgs = [{"role": "user", "content": "Find 3 results about black holes."}]
     _, out = generate_ids(model, tokenizer, msgs, [SEARCH, WEATHER], enable_thinking=False)

@@ -1,20 +1,68 @@
-"""The README's first command: `dsaserve serve` with no --model-path serves the embedded model."""
+"""The README's first command: `dsaserve serve` with no --model-path serves the embedded model,
+and the README's examples (the guide's 15% of 240 and weather in Paris) give the expected kind
+of answer through the official openai SDK, greedy."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import httpx
+import pytest
+from openai import OpenAI
 from server_harness import running_server
 
 from dsaserve.assets import default_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from default_model_data import WEATHER_TOOL  # noqa: E402  (the schema the model was trained on)
 
-def test_dsaserve_serve_without_a_model_path_serves_the_embedded_model():
+
+@pytest.fixture(scope="module")
+def server():
     with running_server(None) as server:
-        models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
-        assert models["data"][0]["id"] == default_model_path().name
-        reply = httpx.post(
-            f"{server.url}/v1/chat/completions", timeout=120,
-            json={"model": "x", "max_tokens": 8,
-                  "messages": [{"role": "user", "content": "What is 15% of 240?"}]},
-        )  # fmt: skip
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.base, api_key="none")
+
+
+def test_dsaserve_serve_without_a_model_path_serves_the_embedded_model(server):
+    models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == default_model_path().name
+
+
+def test_guide_percentage_example_reasons_then_answers(client):
+    reply = client.chat.completions.create(
+        model="default", temperature=0,
+        messages=[{"role": "user", "content": "What is 15% of 240?"}],
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert "half of 24" in message.reasoning_content, message
+    assert message.content == "15% of 240 is 36.", message
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_guide_weather_example_calls_the_tool_then_uses_its_result(client):
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model="default", temperature=0, tools=[WEATHER_TOOL], messages=messages
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    result = {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny"}
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)},
+    ]
+    final = client.chat.completions.create(
+        model="default", temperature=0, tools=[WEATHER_TOOL], messages=messages
+    )
+    content = final.choices[0].message.content
+    assert "sunny" in content and "18 degrees" in content, content
