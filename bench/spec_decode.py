@@ -64,30 +64,67 @@ def main() -> None:
 
 
 def run(args) -> dict:
+    """All modes measured in turn within each repeat, so machine drift hits them alike."""
     if Path(args.model_path).resolve() == default_model_path().resolve():
         prompts = own_kind_prompts(args.model_path, args.num_prompts)
     else:
         prompts = chat_prompts(args.model_path, args.num_prompts)
     base_args = {"max_total_tokens": 16384, "device": args.device,
                  "json_model_override_args": args.json_model_override_args}  # fmt: skip
-    plain = measure(LLM(args.model_path, **base_args), prompts, args)
-    rows = [{"mode": "off", "steps": 0, **plain, "speedup": 1.0, "identical": True}]
+    modes = {0: LLM(args.model_path, **base_args)}
     for steps in [int(s) for s in args.steps.split(",")]:
-        llm = LLM(args.model_path, speculative_algorithm="EAGLE", speculative_num_steps=steps,
-                  **base_args)  # fmt: skip
-        result = measure(llm, prompts, args)
-        stats = llm.engine.stats()
-        rows.append({
-            "mode": "EAGLE", "steps": steps, **result,
-            "speedup": result["decode_tokens_per_s"] / plain["decode_tokens_per_s"],
-            "accept_length": stats["avg_spec_accept_length"],
-            "accept_rate": stats["spec_accept_rate"],
-            "identical": result["outputs"] == plain["outputs"],
-        })  # fmt: skip
-    for row in rows:
-        row.pop("outputs")
+        modes[steps] = LLM(args.model_path, speculative_algorithm="EAGLE",
+                           speculative_num_steps=steps, **base_args)  # fmt: skip
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=args.ignore_eos)
+    totals = {steps: {"decode_tokens": 0, "decode_seconds": 0.0} for steps in modes}
+    outputs, timers = {}, {steps: time_forwards(llm) for steps, llm in modes.items()}
+    for llm in modes.values():
+        one(llm, prompts[0], params)  # warm-up
+    for timer in timers.values():
+        for counts in timer.values():
+            counts[:] = [0, 0.0]
+    for _ in range(args.repeats):
+        for steps, llm in modes.items():
+            outputs[steps] = []
+            for prompt in prompts:
+                tokens, seconds, ids = one(llm, prompt, params)
+                totals[steps]["decode_tokens"] += tokens
+                totals[steps]["decode_seconds"] += seconds
+                outputs[steps].append(ids)
+    rows = []
+    for steps, llm in modes.items():
+        row = {"mode": "EAGLE" if steps else "off", "steps": steps, **totals[steps]}
+        row["decode_tokens_per_s"] = row["decode_tokens"] / row["decode_seconds"]
+        plain = rows[0]["decode_tokens_per_s"] if rows else row["decode_tokens_per_s"]
+        row["speedup"] = row["decode_tokens_per_s"] / plain
+        row["identical"] = outputs[steps] == outputs[0]
+        for name, (calls, seconds) in timers[steps].items():
+            row[f"{name}_ms"] = 1e3 * seconds / max(calls, 1)
+        if steps:
+            stats = llm.engine.stats()
+            row |= {"accept_length": stats["avg_spec_accept_length"],
+                    "accept_rate": stats["spec_accept_rate"]}  # fmt: skip
+        rows.append(row)
     return {"args": vars(args), "num_prompts": len(prompts), "rows": rows,
             "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def time_forwards(llm: LLM) -> dict[str, list]:
+    """Wrap the target and MTP forwards of `llm`'s model: name -> [calls, seconds]."""
+    model, timers = llm.engine.model, {}
+    for name, attr in (("target_forward", "forward"), ("mtp_forward", "forward_mtp")):
+        timers[name] = [0, 0.0]
+
+        def timed(*a, _inner=getattr(model, attr), _t=timers[name], **kw):
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                _t[0] += 1
+                _t[1] += time.perf_counter() - start
+
+        setattr(model, attr, timed)
+    return timers
 
 
 def chat_prompts(model_path: str, n: int) -> list[list[int]]:
@@ -122,21 +159,6 @@ def own_kind_prompts(model_path: str, n: int) -> list[list[int]]:
     return prompts
 
 
-def measure(llm: LLM, prompts: list[list[int]], args) -> dict:
-    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=args.ignore_eos)
-    one(llm, prompts[0], params)  # warm-up
-    decode_tokens, decode_s, outputs = 0, 0.0, []
-    for _ in range(args.repeats):
-        outputs = []
-        for prompt in prompts:
-            tokens, seconds, ids = one(llm, prompt, params)
-            decode_tokens += tokens
-            decode_s += seconds
-            outputs.append(ids)
-    return {"decode_tokens": decode_tokens, "decode_seconds": decode_s,
-            "decode_tokens_per_s": decode_tokens / decode_s, "outputs": outputs}  # fmt: skip
-
-
 def one(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float, list[int]]:
     """Run one request alone; (tokens after the first, seconds after the first, all ids)."""
     engine = llm.engine
@@ -155,12 +177,14 @@ def one(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[int, float
 def print_table(record: dict) -> None:
     print(f"\nbatch 1, {record['num_prompts']} prompts, torch threads {record['torch_threads']}")
     head = f"{'mode':<7}{'steps':>6}{'decode tok/s':>14}{'speedup':>9}{'accept len':>12}"
-    print(head + f"{'accept rate':>13}{'identical':>11}")
+    print(head + f"{'accept rate':>13}{'identical':>11}{'target fwd ms':>15}{'MTP fwd ms':>12}")
     for r in record["rows"]:
         accept = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
         rate = f"{r['accept_rate']:.2f}" if "accept_rate" in r else "-"
+        mtp = f"{r['mtp_forward_ms']:.2f}" if r["steps"] else "-"
         print(f"{r['mode']:<7}{r['steps']:>6}{r['decode_tokens_per_s']:>14.1f}"
-              f"{r['speedup']:>8.2f}x{accept:>12}{rate:>13}{str(r['identical']):>11}")  # fmt: skip
+              f"{r['speedup']:>8.2f}x{accept:>12}{rate:>13}{str(r['identical']):>11}"
+              f"{r['target_forward_ms']:>15.2f}{mtp:>12}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`ForwardBatch`: what one model forward computes, installed for the layers by a context manager.
 
 Tokens of all requests are flattened into one row dimension T. Requests whose step computes one
-token (decodes) are attended in one padded, batched pass; longer runs (prefill chunks, verify
-runs) are attended one sequence at a time.
+token (decodes), and the short speculative runs (verify, catch-up: one decode row per token, each
+over its own prefix), are attended in one padded, batched pass; prefill chunks are attended one
+sequence at a time.
 """
 
 from __future__ import annotations

@@ -29,7 +29,12 @@ class ModelRunner:
             hidden = self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
 
-    def build(self, scheduled: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+    def build(
+        self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None
+    ) -> tuple[ForwardBatch, list[int]]:
+        """The ForwardBatch of a scheduled step. Entries flagged in `as_decodes` (short runs:
+        speculative verify and catch-up) are attended as one decode row per token, each over its
+        own prefix, in the batched decode pass instead of one extend pass per sequence."""
         ids, positions, out_slots, extends = [], [], [], []
         decode_rows, decode_ctx, logits_rows, sampled = [], [], [], []
         row = 0
@@ -40,9 +45,9 @@ class ModelRunner:
             ids += fill[start:end] if scheduled.input_ids is None else scheduled.input_ids[i]
             positions += range(start, end)
             out_slots.append(req.slots[start:end])
-            if end - start == 1:
-                decode_rows.append(row)
-                decode_ctx.append(req.slots[:end])
+            if end - start == 1 or (as_decodes is not None and as_decodes[i]):
+                decode_rows += range(row, row + end - start)
+                decode_ctx += [req.slots[: pos + 1] for pos in range(start, end)]
             else:
                 extends.append(ExtendSeq(row, end - start, req.slots[:end].to(self.device)))
             row += end - start

@@ -7,9 +7,9 @@ One engine step with speculation, K = --speculative-num-steps:
    token each at positions kv_len .. kv_len+K-2, feeding back its own normed hidden
    (shared_head.norm(h'), as sglang and vLLM do). With `index_share_for_mtp_iteration` these
    steps reuse step 1's indexer selection (plus the draft positions) instead of scoring.
-2. **Verify.** One target forward runs the prefill chunks and, per decoding request, an extend
-   run of K+1 tokens [last token, d_1..d_K] at positions kv_len .. kv_len+K; each verify token
-   runs its own DSA indexer over its own prefix.
+2. **Verify.** One target forward runs the prefill chunks and, per decoding request, K+1 tokens
+   [last token, d_1..d_K] at positions kv_len .. kv_len+K, attended as K+1 decode rows (each
+   over its own prefix, running its own DSA indexer) in the batched decode pass.
 3. **Accept.** Row by row, the target's token is drawn from the target's logits by the engine's
    sampler with the request's own state, exactly as without speculation (penalties, min_tokens,
    seeds); the draft is accepted while it equals that token, and the first differing token is
@@ -20,7 +20,8 @@ One engine step with speculation, K = --speculative-num-steps:
    one at a time, so a stop string, stop token, EOS or max_tokens inside an accepted run ends
    the request at that token and the tokens after it are dropped.
 4. **MTP catch-up.** The MTP layer runs over every position the target just computed and kept
-   (row i: token i+1 and the target's hidden at i, teacher-forced), which writes exact MTP cache
+   (row i: token i+1 and the target's hidden at i, teacher-forced; decode rows again for the
+   verified requests, an extend pass for prefill chunks), which writes exact MTP cache
    entries (MLA and indexer keys) and, from its last row, d_1 and h'_1 for the next round.
 
 KV: both caches hold exact entries for positions [0, kv_len) after every step, so pages handed to
@@ -155,7 +156,7 @@ class SpecDecoder:
                      for req, s, e, v in zip(scheduled.reqs, scheduled.starts, scheduled.ends,
                                              layout.verify)]  # fmt: skip
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
-        batch, _ = self.runner.build(run)
+        batch, _ = self.runner.build(run, as_decodes=layout.verify)
         with forward_context(batch):
             return self.model()
 
@@ -217,7 +218,7 @@ class SpecDecoder:
         rows = torch.cat([torch.arange(o, o + e - s)
                           for o, s, e in zip(layout.offsets, starts, ends)])  # fmt: skip
         run = ScheduledBatch(reqs, starts, ends, input_ids)
-        batch, _ = self.runner.build(run)
+        batch, _ = self.runner.build(run, as_decodes=layout.verify)
         with forward_context(batch):
             mtp_hidden, selection = self.model.forward_mtp(hidden[rows.to(hidden.device)])
         last = (
@@ -231,19 +232,25 @@ class SpecDecoder:
             return
         last_hidden = mtp_hidden[last[want]]
         tokens = self.model.logits(last_hidden).argmax(dim=-1).tolist()
-        masks = self._last_row_selections(selection, starts, ends) if self.share_index else None
+        masks = (
+            self._last_row_selections(selection, starts, ends, layout.verify)
+            if self.share_index
+            else None
+        )
         for j, i in enumerate(want):
             mask = masks[i] if masks is not None else None
             reqs[i].spec_draft = Draft(ends[i] - 1, tokens[j], last_hidden[j], mask)
 
     @staticmethod
-    def _last_row_selections(selection: Selection, starts, ends) -> list[torch.Tensor | None]:
+    def _last_row_selections(
+        selection: Selection, starts, ends, as_decodes: list[bool]
+    ) -> list[torch.Tensor | None]:
         """Per entry, the indexer selection of its last MTP row over its context [0, kv_len)."""
         extends, decode_row, out = iter(selection.extends), 0, []
-        for s, e in zip(starts, ends):
-            if e - s > 1:
+        for s, e, as_decode in zip(starts, ends, as_decodes):
+            if e - s > 1 and not as_decode:
                 out.append(row_mask(next(extends), e - s - 1, e))
             else:
-                out.append(row_mask(selection.decode, decode_row, e))
-                decode_row += 1
+                decode_row += e - s
+                out.append(row_mask(selection.decode, decode_row - 1, e))
         return out
