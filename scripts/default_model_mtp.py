@@ -107,8 +107,8 @@ def rollout_loss(model, mtp: MtpLayer, batch, hidden, sparse: bool, args, lm_los
     """Mean LM loss of `args.mtp_rollout` chained draft steps, and the first step's indexer KL.
 
     Step 1 predicts t_{i+2} from the main model's hidden at i; step k > 1 predicts t_{i+k+1} from
-    step k-1's own output (shared_head.norm(h')), teacher-forced tokens, as the chained draft
-    runs at serving time (EAGLE's training-time test), so later draft positions are accepted more.
+    step k-1's own output (shared_head.norm(h')), teacher-forced tokens: the later draft
+    positions are trained on the input they get at serving time (EAGLE's training-time test).
     """
     ids, mask, loss_mask = batch.input_ids, batch.attention_mask, batch.loss_mask
     losses, kl = [], None
