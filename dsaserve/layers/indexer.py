@@ -36,8 +36,10 @@ def row_blocks(rows: int, cost_per_row: int) -> list[slice]:
 
 def row_mask(chosen: torch.Tensor | None, row: int, length: int) -> torch.Tensor | None:
     """The bool mask over [0, length) of row `row` of a selection (top-k positions or a mask)."""
-    if chosen is None or chosen.dtype == torch.bool:
-        return None if chosen is None else chosen[row, :length]
+    if chosen is None:
+        return None
+    if chosen.dtype == torch.bool:
+        return chosen[row, :length]
     picks = chosen[row][chosen[row] < length]
     return torch.zeros(length, dtype=torch.bool, device=chosen.device).index_fill_(0, picks, True)
 
