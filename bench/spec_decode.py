@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.assets import default_model_path
+from dsaserve.engine.forward_batch import current_batch
 from dsaserve.engine.io import GenerateRequest
 
 QUESTIONS = [
@@ -110,7 +111,8 @@ def run(args) -> dict:
 
 
 def time_forwards(llm: LLM) -> dict[str, list]:
-    """Wrap the target and MTP forwards of `llm`'s model: name -> [calls, seconds]."""
+    """Wrap the target and MTP forwards of `llm`'s model: name -> [calls, seconds], counting
+    only decode-row forwards (decode steps, verifies, draft steps, catch-ups), not prefills."""
     model, timers = llm.engine.model, {}
     for name, attr in (("target_forward", "forward"), ("mtp_forward", "forward_mtp")):
         timers[name] = [0, 0.0]
@@ -120,8 +122,9 @@ def time_forwards(llm: LLM) -> dict[str, list]:
             try:
                 return _inner(*a, **kw)
             finally:
-                _t[0] += 1
-                _t[1] += time.perf_counter() - start
+                if not current_batch().extends:
+                    _t[0] += 1
+                    _t[1] += time.perf_counter() - start
 
         setattr(model, attr, timed)
     return timers

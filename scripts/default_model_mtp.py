@@ -123,14 +123,18 @@ def rollout_loss(model, mtp: MtpLayer, batch, hidden, sparse: bool, args, lm_los
     return torch.stack(losses).mean(), kl
 
 
-def save_checkpoint(model, mtp: MtpLayer | None, out: Path) -> None:
-    """config.json + one fp32 model.safetensors holding the main model and the MTP layer."""
+def save_checkpoint(model, mtp: MtpLayer | None, out: Path, bf16: bool = False) -> None:
+    """config.json + one model.safetensors holding the main model and the MTP layer. With `bf16`
+    the matrices are stored in bfloat16 (half the bytes; vectors and config dtype stay fp32, so
+    transformers and dsaserve load them into an fp32 model)."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if mtp is None:
         mtp = init_mtp(model)
     prefix = f"model.layers.{model.config.num_hidden_layers}."
-    tensors |= {prefix + k: v.detach().contiguous() for k, v in mtp.state_dict().items()}
+    tensors = dict(model.state_dict()) | {prefix + k: v for k, v in mtp.state_dict().items()}
+    for name, value in tensors.items():
+        value = value.detach().contiguous()
+        tensors[name] = value.bfloat16() if bf16 and value.dim() >= 2 else value
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {k: v for k, v in model.config.to_dict().items() if k not in GENERIC_CONFIG_KEYS}
     config["architectures"] = ["GlmMoeDsaForCausalLM"]

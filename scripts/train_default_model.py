@@ -34,11 +34,11 @@ from default_model_mtp import save_checkpoint, train_mtp  # noqa: E402
 from default_model_tokenizer import MODEL_DIR  # noqa: E402
 
 
-def model_config(tokenizer) -> GlmMoeDsaConfig:
+def model_config(tokenizer, layers: int = 3) -> GlmMoeDsaConfig:
     ids = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
     return GlmMoeDsaConfig(
         vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512,
-        moe_intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+        moe_intermediate_size=192, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
         routed_scaling_factor=2.5, kv_lora_rank=64, q_lora_rank=128, qk_rope_head_dim=32,
         qk_nope_head_dim=32, v_head_dim=32, n_group=1, topk_group=1, norm_topk_prob=True,
@@ -112,9 +112,9 @@ def train_main(model, stream, args, log) -> None:
                  "index_kl": round(out.kl.item(), 4), "tokens": batch.input_ids.numel(),
                  "elapsed_s": round(time.time() - start, 1)})  # fmt: skip
         if args.save_every and step and step % args.save_every == 0:
-            save_checkpoint(model, None, args.out)
+            save_checkpoint(model, None, args.out, args.bf16_weights)
         if step + 1 == args.stop_after:
-            save_checkpoint(model, None, args.out)
+            save_checkpoint(model, None, args.out, args.bf16_weights)
             raise SystemExit(f"stopped after {args.stop_after} steps (--stop-after)")
     model.eval()
 
@@ -149,6 +149,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=100)
     parser.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps")
     parser.add_argument("--init-from", type=Path, help="start from this folder's main weights")
+    parser.add_argument("--layers", type=int, default=3, help="main layers (first one dense)")
+    parser.add_argument("--bf16-weights", action="store_true", help="store matrices in bf16")
     parser.add_argument(
         "--mtp-init-from", type=Path, help="start the MTP layer from this folder's MTP"
     )
@@ -175,7 +177,7 @@ def main() -> None:
     drawn = samples(args.seed, "train", args.train_samples, args.kind_weights)
     data = [encode(s, tokenizer) for s in drawn]
     log({"stage": "data", "examples": len(data), "tokens": sum(len(e.ids) for e in data)})
-    config = model_config(tokenizer)
+    config = model_config(tokenizer, args.layers)
     config._attn_implementation = "eager"
     model = GlmMoeDsaForCausalLM(config)
     if args.init_from:
@@ -190,9 +192,9 @@ def main() -> None:
         raise SystemExit("the training forward does not match transformers")
     stream = batches(data, args.token_budget, rng, tokenizer.pad_token_id)
     train_main(model, stream, args, log)
-    save_checkpoint(model, None, args.out)
+    save_checkpoint(model, None, args.out, args.bf16_weights)
     mtp = train_mtp(model, stream, args, log, lm_loss)
-    save_checkpoint(model, mtp, args.out)
+    save_checkpoint(model, mtp, args.out, args.bf16_weights)
     log({"stage": "done"})
 
 

@@ -21,6 +21,8 @@ from dsaserve.assets import default_model_path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from default_model_data import SEARCH_TOOL as SEARCH  # noqa: E402  (the tools it was trained on)
 from default_model_data import WEATHER_TOOL as WEATHER  # noqa: E402
+from default_model_data import Generator  # noqa: E402
+from eval_default_model import eval_percent  # noqa: E402
 
 MODEL_DIR = default_model_path()
 SPECIAL = [
@@ -116,7 +118,9 @@ def test_mtp_layer_saved_glm_style(config):
 def test_transformers_loads_main_weights(model):
     with safe_open(str(MODEL_DIR / "model.safetensors"), "pt") as f:
         saved = f.get_tensor("model.layers.1.mlp.experts.gate_up_proj")
-    assert torch.equal(model.model.layers[1].mlp.experts.gate_up_proj, saved)
+    loaded = model.model.layers[1].mlp.experts.gate_up_proj
+    assert loaded.dtype == torch.float32  # bf16-stored matrices, fp32 model (config dtype)
+    assert torch.equal(loaded, saved.float())
     assert len(model.model.layers) == model.config.num_hidden_layers
 
 
@@ -227,13 +231,17 @@ def test_percentage_reasoning_format_and_rerender(model, tokenizer, pct, number)
     assert again[: len(prompt) + len(out)] == prompt + out
 
 
-@pytest.mark.parametrize("pct,number", [(15, 240), (70, 830)])
-def test_percentage_answer_is_correct(model, tokenizer, pct, number):
-    _, _, out = ask_percent(model, tokenizer, pct, number)
+def test_guide_percentage_answer_is_correct(model, tokenizer):
+    _, _, out = ask_percent(model, tokenizer, 15, 240)
     _, content = split(tokenizer, out)
-    expected = pct * number / 100
-    expected = str(int(expected)) if expected == int(expected) else str(expected)
-    assert re.findall(r"\d+(?:\.\d+)?", content)[-1] == expected, content
+    assert re.findall(r"\d+(?:\.\d+)?", content)[-1] == "36", content
+
+
+def test_held_out_percentages_meet_the_target(model, tokenizer):
+    """Issue 4's target, >= 90% correct with reasoning, on the eval script's first 10 held-out
+    questions (the model gets 96-97.5% of them right, not all: see its README)."""
+    report = eval_percent(model, tokenizer, Generator(4321, "test"), 10)
+    assert report["percent_correct"] >= 0.9, report["examples"]
 
 
 def call_weather(model, tokenizer):

@@ -8,6 +8,8 @@ from torch import nn
 
 from dsaserve.model_config import ModelConfig
 
+FEW = 16  # routing assignments (tokens x top-k) up to which they are grouped in Python
+
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -59,6 +61,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if index.numel() <= FEW:
+            return self._few(x, index, weights)
         flat = index.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
@@ -66,8 +70,7 @@ class Experts(nn.Module):
         weight_of = weights.flatten()[order, None]
         cap = int(counts.max())
         # Every expert busy and little padding: one batched GEMM pair. Otherwise loop over the
-        # busy experts only: at decode sizes the cost is reading expert weights, so idle
-        # experts must not be touched (batch 1, top-2 of 8: a quarter of the bytes).
+        # busy experts only, so idle experts' weights are not read.
         if bool(counts.all()) and counts.numel() * cap <= 4 * flat.numel():
             y = self._padded(x[token_of], flat[order], counts, cap)
         else:
@@ -90,9 +93,34 @@ class Experts(nn.Module):
         slot = torch.arange(rows.shape[0]) - (torch.cumsum(counts, 0) - counts)[experts]
         padded = rows.new_zeros(counts.numel(), cap, rows.shape[1])
         padded[experts, slot] = rows
-        gate, up = torch.bmm(padded, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # [E, cap, H]
-        return y[experts, slot]
+        return self._batched(padded)[experts, slot]
+
+    def _batched(self, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e over rows[e], for every expert: [E, n, H] -> [E, n, H] in two GEMMs."""
+        gate, up = torch.bmm(rows, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+
+    def _few(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Decode-sized batches (a decode step, a speculative verify), grouped without sorting.
+        Most experts busy: every expert over every row, weighted by a dense [T, E] routing
+        matrix (reading all weights once beats one small GEMM pair per expert); otherwise only
+        the busy experts (batch 1, top-2 of 8: a quarter of the bytes)."""
+        k, n_experts = index.shape[1], self.gate_up_proj.shape[0]
+        slots_of: dict[int, list[int]] = {}
+        for slot, expert in enumerate(index.flatten().tolist()):
+            slots_of.setdefault(expert, []).append(slot)
+        if 2 * len(slots_of) > n_experts:
+            dense = x.new_zeros(x.shape[0], n_experts).scatter_(1, index, weights.to(x.dtype))
+            return torch.einsum("te,eth->th", dense, self._batched(x.expand(n_experts, -1, -1)))
+        out, flat = torch.zeros_like(x), weights.flatten()
+        for expert, slots in slots_of.items():
+            if len(slots) == 1:  # plain indexing: a tensor index costs more than the GEMMs
+                rows, weight = slice(slots[0] // k, slots[0] // k + 1), flat[slots[0]]
+            else:  # distinct tokens: top-k picks an expert once per token
+                rows = torch.tensor([slot // k for slot in slots])
+                weight = flat[torch.tensor(slots)][:, None]
+            out[rows] += (self._expert(expert, x[rows]) * weight).to(x.dtype)
+        return out
 
 
 class MoE(nn.Module):
