@@ -33,10 +33,10 @@ def test_grown_checkpoint_computes_the_same(tmp_path: Path):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = [list(range(5, 45)), list(range(100, 112))]
     spec = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2}
-    outputs = []
+    tokens, accept = {}, {}
     for folder in (src, dst):
         llm = LLM(str(folder), max_total_tokens=2048, **spec)
-        outputs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        outputs.append(llm.engine.stats()["avg_spec_accept_length"])
-    assert outputs[0] == outputs[2]  # the same tokens
-    assert outputs[1] == outputs[3]  # the same drafts accepted: the MTP layer moved intact
+        tokens[folder] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        accept[folder] = llm.engine.stats()["avg_spec_accept_length"]
+    assert tokens[dst] == tokens[src]
+    assert accept[dst] == accept[src]  # the same drafts accepted: the MTP layer moved intact

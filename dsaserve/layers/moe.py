@@ -114,7 +114,7 @@ class Experts(nn.Module):
             return torch.einsum("te,eth->th", dense, self._batched(x.expand(n_experts, -1, -1)))
         out, flat = torch.zeros_like(x), weights.flatten()
         for expert, slots in slots_of.items():
-            if len(slots) == 1:  # plain indexing: a tensor index costs more than the GEMMs
+            if len(slots) == 1:  # a slice: tensor indexing costs half the expert's GEMMs
                 rows, weight = slice(slots[0] // k, slots[0] // k + 1), flat[slots[0]]
             else:  # distinct tokens: top-k picks an expert once per token
                 rows = torch.tensor([slot // k for slot in slots])
