@@ -18,7 +18,8 @@ FLAG_ORDER = [
     "--mem-fraction-static",
     "--watchdog-timeout", "--enable-hierarchical-cache", "--hicache-ratio",
     "--hicache-write-policy", "--hicache-storage-backend",
-    "--disaggregation-mode", "--disaggregation-transfer-backend", "--device", "--nnodes", "--node-rank", "--dist-init-addr",
+    "--disaggregation-mode", "--disaggregation-transfer-backend",
+    "--device", "--nnodes", "--node-rank", "--dist-init-addr",
     "--host", "--port",
 ]  # fmt: skip
 _PLAIN = re.compile(r"[\w@%+=:,./${}-]+")  # left unquoted, so ${VAR} stays expandable
