@@ -5,12 +5,14 @@ are served, and `dsaserve plan --web` serves them without a model."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -216,7 +218,9 @@ def test_page_uses_no_outside_resource_and_no_html_sinks():
             assert sink not in text, (path.name, sink)
 
 
-def test_plan_web_serves_the_console_without_a_model():
+@contextlib.contextmanager
+def running_plan_web() -> Iterator[str]:
+    """`dsaserve plan --web --port 0`; yields its base URL and always stops its process group."""
     command = [sys.executable, "-m", "dsaserve.cli", "plan", "--web", "--port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)  # fmt: skip
@@ -234,12 +238,16 @@ def test_plan_web_serves_the_console_without_a_model():
 
         threading.Thread(target=pump, daemon=True).start()
         assert ready.wait(60) and found, "plan --web did not start"
-        url = found[0]
+        yield found[0]
+    finally:
+        stop_group(process)
+
+
+def test_plan_web_serves_the_console_without_a_model():
+    with running_plan_web() as url:
         assert url.startswith("http://127.0.0.1:")  # loopback unless --host says otherwise
         assert httpx.get(url + "/console/config.json").json()["chat"] is False
         assert "Deploy" in httpx.get(url + "/console/").text
         body = httpx.post(url + "/api/plan", json={"recipe": "balanced"}).json()
         assert "--enable-dp-attention" in body["commands"][0]["dsaserve"]
         assert httpx.get(url + "/v1/models").status_code == 404  # no model here
-    finally:
-        stop_group(process)

@@ -516,8 +516,27 @@ function buildRequest(prompt) {
   if (stop.length) body.stop = stop;
   const tools = toolsKnob();
   if (tools) body.tools = tools;
-  if ($("#k-tool-choice").value) body.tool_choice = $("#k-tool-choice").value;
+  const choice = $("#k-tool-choice").value;
+  if (choice.startsWith("function:")) {
+    body.tool_choice = { type: "function", function: { name: choice.slice(9) } };
+  } else if (choice) body.tool_choice = choice;
   return body;
+}
+
+/** tool_choice offers auto/none/required and each function named in the tools field. */
+function updateToolChoices() {
+  const select = $("#k-tool-choice");
+  let names = [];
+  try {
+    names = (toolsKnob() || []).map((t) => t.function && t.function.name).filter(Boolean);
+  } catch {
+    names = [];
+  }
+  const keep = select.value;
+  const values = ["", "auto", "none", "required", ...names.map((n) => `function:${n}`)];
+  select.replaceChildren(...values.map((v) => el("option", { value: v,
+    textContent: v === "" ? "(default)" : v.startsWith("function:") ? `function ${v.slice(9)}` : v })));
+  select.value = values.includes(keep) ? keep : "";
 }
 
 function shellQuote(text) {
@@ -789,6 +808,7 @@ async function send(prompt) {
     chat.controller = null;
     setBusy(false);
     updateRequestView();
+    refreshStatus();
   }
 }
 
@@ -848,8 +868,10 @@ function wirePlayground() {
   $("#new-chat").addEventListener("click", newChat);
   $("#k-tools-sample").addEventListener("click", () => {
     $("#k-tools").value = JSON.stringify(SAMPLE_TOOLS, null, 2);
+    updateToolChoices();
     updateRequestView();
   });
+  $("#k-tools").addEventListener("change", updateToolChoices);
   $("#knobs").addEventListener("input", updateRequestView);
   $("#prompt").addEventListener("input", updateRequestView);
   $("#k-api-key").addEventListener("change", refreshStatus);
