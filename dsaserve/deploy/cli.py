@@ -45,22 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--mem-fraction-static", type=float, help="override the rule's starting value")
     a("--device-memory-gib", type=float, help="override the hardware's memory (GiB)")
     a("--model-path", help="path to print in the commands (default: the model's)")
-    a("--host", default="0.0.0.0", help="in the commands; with --web, where to listen")
-    a("--port", type=int, default=30000, help="in the commands; with --web, where to listen")
+    a("--host", help="in the commands (0.0.0.0); with --web, where to listen (127.0.0.1)")
+    a("--port", type=int, help="in the commands (30000); with --web, where to listen (8080)")
     a("--json", action="store_true", help="print one JSON object (what POST /api/plan answers)")
     a("--web", action="store_true", help="serve the web console's Deploy panel (no model)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     ns = build_parser().parse_args(argv)
     if ns.web:
         from dsaserve.deploy.web import serve_console
 
-        host = ns.host if "--host" in argv else "127.0.0.1"
-        return serve_console(host, ns.port if "--port" in argv else 8080)
+        return serve_console(ns.host or "127.0.0.1", 8080 if ns.port is None else ns.port)
     fields = {k: v for k, v in vars(ns).items() if k not in ("json", "web")}
+    fields = {k: v for k, v in fields.items() if not (k in ("host", "port") and v is None)}
     if ns.json:
         answer = plan_answer(fields)
         if answer.exit_code == 2:

@@ -43,8 +43,10 @@ def add_console_routes(app: FastAPI, api_key: str | None, chat: bool) -> None:
     async def console_root(request: Request) -> Response:
         return RedirectResponse("/console/", status_code=307)
 
-    async def console_file(name: str = "index.html") -> Response:
-        name = name or "index.html"
+    async def console_index() -> Response:
+        return await console_file("index.html")
+
+    async def console_file(name: str) -> Response:
         if name not in MEDIA_TYPES:
             return JSONResponse(invalid_body(f"no console file {name!r}"), 404)
         return FileResponse(ASSETS / name, media_type=MEDIA_TYPES[name], headers=PAGE_HEADERS)
@@ -53,7 +55,7 @@ def add_console_routes(app: FastAPI, api_key: str | None, chat: bool) -> None:
         return config
 
     app.add_api_route("/console", console_root, methods=["GET"], include_in_schema=False)
-    app.add_api_route("/console/", console_file, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/console/", console_index, methods=["GET"], include_in_schema=False)
     app.add_api_route("/console/config.json", console_config, methods=["GET"])
     app.add_api_route("/console/{name}", console_file, methods=["GET"], include_in_schema=False)
     app.add_api_route("/api/plan/options", _options, methods=["GET"])
