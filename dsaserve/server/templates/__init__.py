@@ -1,0 +1,1 @@
+"""Prompt formats written in Python, for checkpoints that ship no Jinja chat template."""
