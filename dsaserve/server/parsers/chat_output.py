@@ -20,7 +20,8 @@ from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
 from dsaserve.server.parsers.tool_glm47 import Glm47ToolParser
 
 # Role and end-of-text markers the engine may leave in the text when special tokens are kept.
-END_MARKERS = ("<|endoftext|>", "<|user|>", "<|observation|>", "<|assistant|>", "<eop>")
+END_MARKERS = ("<|endoftext|>", "<|user|>", "<|observation|>", "<|assistant|>", "<eop>",
+               "<｜end▁of▁sentence｜>")  # fmt: skip
 
 
 @dataclass

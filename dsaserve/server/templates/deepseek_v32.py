@@ -41,7 +41,7 @@ TOOLS_BLOCK = (
     f'<{DSML}invoke name="$FUNCTION_NAME2">\n...\n</{DSML}invoke>\n'
     f"</{DSML}function_calls>\n\n"
     "String and scalar parameters should be specified as is without any escaping or quotes, "
-    "while lists and objects should use JSON format. The \"string\" attribute should be set to "
+    'while lists and objects should use JSON format. The "string" attribute should be set to '
     '"true" for string type parameters and "false" for other types (numbers, booleans, arrays, '
     "objects).\n\n"
     "If the thinking_mode is enabled, then after function results you should strongly consider "
