@@ -157,6 +157,12 @@ def test_encoder_and_parsers_are_chosen_from_the_checkpoint(folder: Path, tmp_pa
     with pytest.raises(APIError) as e:  # a broken history is the client's error
         render(tm, [{"role": "tool", "content": "r", "tool_call_id": "x"}])
     assert e.value.status == 400
+    # another DeepSeek checkpoint gets the encoder when asked for the DSML parser, as in sglang
+    shutil.copytree(folder, tmp_path / "v3")
+    (tmp_path / "v3" / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    assert not manager(tmp_path / "v3").builtin_encoder
+    tm = manager(tmp_path / "v3", tool_call_parser="deepseekv32")
+    assert tm.builtin_encoder and render(tm, user) == f"{BOS}{U}hi{A}</think>"
     # a checkpoint that ships a chat template uses it, and auto finds no DeepSeek parser in it
     shutil.copytree(folder, tmp_path / "jinja")
     (tmp_path / "jinja" / "chat_template.jinja").write_text("J{{ messages[0]['content'] }}")

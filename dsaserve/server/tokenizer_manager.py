@@ -58,7 +58,8 @@ class TokenizerManager:
         self.generation_defaults = engine_info.get("generation_defaults") or {}
         vocab = set(tokenizer.get_vocab())
         model_type = model_type_of(args.model_path)
-        self.builtin_encoder = not self.template and model_type == DEEPSEEK_V32
+        deepseek = model_type == DEEPSEEK_V32 or args.tool_call_parser == "deepseekv32"
+        self.builtin_encoder = not self.template and deepseek  # as sglang picks its dsv32 encoder
         self.reasoning_parser = resolve_reasoning_parser(
             args.reasoning_parser, self.template, vocab, model_type
         )
