@@ -1,0 +1,149 @@
+"""Every engine path gives the logprobs of the plain path (one request alone), to 1e-5 in fp32,
+on checkpoints whose indexer scores tie at the top-k cut all the time (1-2 indexer heads).
+
+Without a defined tie-break a prefill chunk, a decode row, a verify row and a radix hit keep
+different keys among equal scores and the logprobs drift by 1e-1 (docs/determinism.md). Paths:
+chunked prefill 1/3/16, pages 1/16/64, radix hits, retraction, batches 1-32 mixed with sampled
+requests, EAGLE steps 1-5 (with and without index_share_for_mtp_iteration), for both families.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from speculative_models import make_mtp_checkpoint
+from tie_break import (
+    generate,
+    logprob_table,
+    max_diff,
+    params,
+    patch_reference_tie_break,
+    reference_table,
+)
+from tiny_models import load_reference
+
+from dsaserve import LLM, SamplingParams
+
+BOUND = 1e-5
+NEW = 16
+KV = 8192
+FAMILIES = {
+    "glm": dict(seed=3, index_n_heads=1, index_topk=8,
+                indexer_types=["full", "shared", "full"]),
+    "deepseek": dict(seed=6, index_n_heads=2, index_topk=8),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    kind = request.param
+    spec = dict(FAMILIES[kind])
+    seed = spec.pop("seed")
+    folder = make_mtp_checkpoint(tmp_path_factory.mktemp(kind) / "ckpt", kind, seed, **spec)
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [3, 9, 17, 40, 64, 5, 33, 12]  # + 16 new tokens: up to 10x index_topk
+    prompts = [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+    plain = LLM(str(folder), max_total_tokens=KV, disable_radix_cache=True)
+    alone = [generate(plain, [p], NEW)[0] for p in prompts]
+    return str(folder), prompts, alone
+
+
+def assert_same(outputs, expected, label: str) -> None:
+    """Same tokens and logprobs (chosen and top alternatives) at every step; on a mismatch the
+    message gives the logprob gap over the steps up to the first differing token."""
+    for i, (out, want) in enumerate(zip(outputs, expected)):
+        same = [a == b for a, b in zip(out.token_ids, want.token_ids)] + [False]
+        steps = min(same.index(False) + 1, len(want.token_ids))
+        diff = max_diff(logprob_table(out)[:steps], logprob_table(want)[:steps])
+        message = f"{label}: prompt {i}: max logprob diff {diff:.3g} over {steps} steps"
+        assert out.token_ids == want.token_ids and diff < BOUND, message
+
+
+def test_plain_path_equals_reference(family, monkeypatch):
+    folder, prompts, alone = family
+    patch_reference_tie_break(monkeypatch)
+    reference = load_reference(Path(folder))  # transformers skips the MTP layer's weights
+    for prompt, out in zip(prompts, alone):
+        diff = max_diff(logprob_table(out), reference_table(reference, prompt, out.token_ids))
+        assert diff < BOUND, f"prompt of {len(prompt)}: {diff:.3g}"
+
+
+ENGINE_PATHS = [
+    {"chunked_prefill_size": 1},
+    {"chunked_prefill_size": 3, "page_size": 16},
+    {"chunked_prefill_size": 16, "page_size": 1},
+    {"page_size": 64},
+    {"max_running_requests": 1, "page_size": 4},
+    {"max_total_tokens": 192, "page_size": 8},  # forces retraction
+]
+
+
+@pytest.mark.parametrize(
+    "args", ENGINE_PATHS, ids=lambda a: ",".join(f"{k}={v}" for k, v in a.items())
+)
+def test_engine_paths_equal_plain(family, args):
+    folder, prompts, alone = family
+    llm = LLM(folder, **{"max_total_tokens": KV, **args})
+    assert_same(generate(llm, prompts, NEW), alone, str(args))
+    if args.get("max_total_tokens", KV) < 1000:
+        assert llm.engine.scheduler.num_retractions > 0
+
+
+def test_batches_mixed_with_other_requests(family):
+    """The targets inside batches of 1, 2, 7 and 32 requests, the others sampled (temperature,
+    seeds, other lengths), so decode batches pad to other lengths and prefill shares steps."""
+    folder, prompts, alone = family
+    llm = LLM(folder, max_total_tokens=KV, page_size=4, chunked_prefill_size=24)
+    generator = torch.Generator().manual_seed(99)
+    for size in (1, 2, 7, 32):
+        targets = list(range(min(size, len(prompts))))
+        lengths = torch.randint(1, 90, (size - len(targets),), generator=generator).tolist()
+        others = [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+        sampled = [SamplingParams(max_tokens=int(n), temperature=0.9, seed=int(n))
+                   for n in torch.randint(1, 30, (len(others),), generator=generator)]  # fmt: skip
+        order = torch.randperm(size, generator=generator).tolist()
+        batch = [prompts[i] for i in targets] + others
+        wanted = [params(NEW) for _ in targets] + sampled
+        outs = llm.generate([batch[i] for i in order], [wanted[i] for i in order], use_tqdm=False)
+        by_index = {j: out for j, out in zip(order, outs)}
+        assert_same([by_index[i] for i in targets], [alone[i] for i in targets], f"batch {size}")
+    assert llm.engine.stats()["kv_used_tokens"] == 0
+
+
+def test_radix_hits(family):
+    """Prefixes cached by earlier requests (full pages and not, at and inside the sparse range)."""
+    folder, prompts, _ = family
+    fresh = LLM(folder, max_total_tokens=KV, disable_radix_cache=True)
+    shared = prompts[4] + prompts[3]  # 104 tokens
+    tails = [[1, 2], prompts[0], [7]]
+    expected = [generate(fresh, [shared + t], NEW)[0] for t in tails]
+    for args in ({"page_size": 4}, {"page_size": 16, "chunked_prefill_size": 5}):
+        llm = LLM(folder, max_total_tokens=KV, **args)
+        got = [generate(llm, [shared + t], NEW)[0] for t in tails]
+        assert got[1].cached_tokens > 0 and got[2].cached_tokens > 0
+        assert_same(got, expected, f"radix {args}")
+
+
+SPEC_CASES = [
+    (1, {"page_size": 16}),
+    (2, {"chunked_prefill_size": 7, "page_size": 1}),
+    (3, {"index_share": True}),
+    (4, {"chunked_prefill_size": 3, "page_size": 4}),
+    (5, {"page_size": 64, "index_share": True}),
+    (3, {"max_total_tokens": 224, "page_size": 8}),  # retraction while speculating
+]
+
+
+@pytest.mark.parametrize("steps,args", SPEC_CASES, ids=lambda c: str(c))
+def test_eagle_equals_plain(family, steps, args):
+    folder, prompts, alone = family
+    args = dict(args)
+    if args.pop("index_share", False):
+        args["json_model_override_args"] = json.dumps({"index_share_for_mtp_iteration": True})
+    llm = LLM(folder, speculative_algorithm="EAGLE", speculative_num_steps=steps,
+              **{"max_total_tokens": KV, **args})  # fmt: skip
+    assert_same(generate(llm, prompts, NEW), alone, f"EAGLE {steps} {args}")
+    assert llm.engine.stats()["spec_verify_ct"] > 0
