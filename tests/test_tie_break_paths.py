@@ -178,15 +178,15 @@ def test_eagle_equals_plain(family, monkeypatch, steps, drafts, args):
         assert llm.engine.scheduler.num_retractions > 0
 
 
-# bf16: activations feeding the indexer differ between paths by bf16 rounding (GEMMs of other
-# shapes accumulate in other orders), so keys whose scores lie within that rounding of the cut can
-# still swap; the tie-break removes only the exact ties. Measured on these checkpoints: paths within
-# 0.021 of plain (0.004 with dense attention, i.e. rounding alone; 0.16 before the tie-break).
-BF16_BOUND = 0.05
-# A path may pick another greedy token only where plain's own top two logprobs are closer than
-# this: about 3 bf16 ULPs of these logits (|logit| < 1), a near-tie of the logits themselves that
-# rounding alone reorders whatever attention does (margins of exactly 0.0 occur).
-TOKEN_MARGIN = 0.0125
+# bf16: the activations feeding the indexer differ between paths by bf16 rounding (GEMMs of
+# other shapes accumulate in other orders), so keys whose scores lie within that rounding of the
+# cut can still swap; the tie-break removes only the exact ties. Measured over 8 checkpoints of
+# these two configs: paths within 0.084 of plain before their first differing token (0.021 on the
+# two below; 0.004 with dense attention, i.e. rounding alone; 0.16 before the tie-break), and
+# tokens differ only where plain's top two logprobs are within 0.04 (0.008 on these two; up to
+# 0.18 before the tie-break). See docs/determinism.md.
+BF16_BOUND = 0.1
+TOKEN_MARGIN = 0.05
 BF16_PATHS = [
     {"chunked_prefill_size": 3, "page_size": 16},
     {"page_size": 4},
@@ -214,4 +214,4 @@ def test_bf16_paths_agree(family):
                 margin = top[0][1] - top[1][1]
                 assert margin < TOKEN_MARGIN, f"{args}: prompt {i}: step {first}, {margin:.3g}"
         equal = sum(o.token_ids == w.token_ids for o, w in zip(outputs, alone))
-        assert equal >= len(prompts) // 2, f"{args}: {equal} of {len(prompts)} prompts"
+        assert equal >= 5, f"{args}: greedy tokens equal on {equal} of {len(prompts)} prompts"
