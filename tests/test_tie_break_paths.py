@@ -3,8 +3,9 @@ on checkpoints whose indexer scores tie at the top-k cut all the time (1-2 index
 
 Without a defined tie-break a prefill chunk, a decode row, a verify row and a radix hit keep
 different keys among equal scores and the logprobs drift by 1e-1 (docs/determinism.md). Paths:
-chunked prefill 1/3/16, pages 1/16/64, radix hits, retraction, batches 1-32 mixed with sampled
-requests, EAGLE steps 1-5 (with and without index_share_for_mtp_iteration), for both families.
+chunked prefill 1/3/16, row-blocked prefill, pages 1/16/64, radix hits, retraction, batches
+1-32 mixed with sampled requests, EAGLE steps 1-5 (with and without
+index_share_for_mtp_iteration), for both families; bf16 to a stated looser bound.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ def test_engine_paths_equal_plain(family, args):
     assert_same(generate(llm, prompts, NEW), alone, str(args))
     if args.get("max_total_tokens", KV) < 1000:
         assert llm.engine.scheduler.num_retractions > 0
+
+
+def test_row_blocked_prefill_equals_plain(family, monkeypatch):
+    """A tiny workspace splits every prefill run's indexer and attention into blocks of a few
+    rows (what bounds memory for long prompts)."""
+    folder, prompts, alone = family
+    monkeypatch.setattr("dsaserve.layers.indexer.WORKSPACE", 256)
+    llm = LLM(folder, max_total_tokens=KV, page_size=16)
+    assert_same(generate(llm, prompts, NEW), alone, "row-blocked")
 
 
 def test_batches_mixed_with_other_requests(family):
