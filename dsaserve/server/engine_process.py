@@ -99,9 +99,10 @@ class EngineLoop:
         try:
             while not self.stopping and os.getppid() == self.parent:
                 self._receive(0 if self.engine.has_work() else IDLE_POLL_MS)
+                self._flush()  # admissions and aborts show before the step runs
                 if self.engine.has_work() and not self.stopping:
                     self._step()
-                self._flush()
+                    self._flush()
             return 0
         except Exception as e:
             traceback.print_exc()
