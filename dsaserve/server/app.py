@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
@@ -52,7 +52,8 @@ def build_app(state: ServerState) -> FastAPI:
     bodies: list[type[BaseModel]] = []
 
     def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True,
-              body: type[BaseModel] | None = None):  # fmt: skip
+              body: type[BaseModel] | None = None,
+              response_class: type = JSONResponse):  # fmt: skip
         def register(handler: Handler) -> Handler:
             async def endpoint(request: Request) -> Any:
                 return await _guarded(state, request, handler, anthropic_errors, gate, body)
@@ -60,7 +61,8 @@ def build_app(state: ServerState) -> FastAPI:
             if body is not None and body not in bodies:
                 bodies.append(body)
             app.add_api_route(path, endpoint, methods=methods, name=handler.__name__,
-                              openapi_extra=operation_extra(body))  # fmt: skip
+                              response_class=response_class,
+                              openapi_extra=operation_extra(body, path))  # fmt: skip
             return handler
 
         return register
@@ -110,12 +112,12 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     async def model(state: ServerState, request: Request) -> Any:
         return _model_card(state)
 
-    @route("/health", ["GET"], gate=False)
+    @route("/health", ["GET"], gate=False, response_class=Response)
     async def health(state: ServerState, request: Request) -> Any:
         _check_serving(state)
         return Response(status_code=200)
 
-    @route("/health_generate", ["GET"], gate=False)
+    @route("/health_generate", ["GET"], gate=False, response_class=Response)
     async def health_generate(state: ServerState, request: Request) -> Any:
         return await _health_generate(state)
 
@@ -145,7 +147,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
     if state.args.enable_metrics:
 
-        @route("/metrics", ["GET"], gate=False)
+        @route("/metrics", ["GET"], gate=False, response_class=PlainTextResponse)
         async def metrics(state: ServerState, request: Request) -> Any:
             stats = state.engine.stats if state.engine.dead is None else {}
             text = state.metrics.render(stats)
@@ -185,8 +187,11 @@ async def _http_error(request: Request, error: Exception) -> Response:
     detail = error.detail if isinstance(error, HTTPException) else "internal server error"
     answer = APIError(status, f"{request.method} {request.url.path[:100]}: {detail}")
     if request.url.path.startswith("/v1/messages"):
-        return answer.anthropic_response()
-    return answer.openai_response()
+        response = answer.anthropic_response()
+    else:
+        response = answer.openai_response()
+    response.headers.update(getattr(error, "headers", None) or {})  # 405: Allow
+    return response
 
 
 def _authenticate(state: ServerState, request: Request) -> None:

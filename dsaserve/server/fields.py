@@ -6,15 +6,24 @@ million stop strings) is a 400 naming the field, before anything reaches the eng
 top-level fields are ignored (the models say `extra="ignore"`), as OpenAI and SGLang servers do,
 so routers that re-serialise bodies with fields of their own keep working.
 
-Lone surrogates and nesting depth are checked on the raw JSON before validation (`json_limits`),
-where the path of the offending value is known for every string, known field or not.
+Integers are plain JSON numbers (`2` or `2.0`, never `true`, `"2"` or `2.5`). Nesting depth is
+checked on the raw JSON before validation, lone surrogates in every string of the validated request
+after it (`json_limits`), naming the path.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+)
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -47,6 +56,22 @@ def max_items(limit: int) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+def bounded_list(item: Any, limit: int, min_length: int = 0) -> Any:
+    """`list[item]` of at most `limit` items, refused early, and described in the JSON schema
+    (the Field comes first: constraints after a validator leave the schema's keywords)."""
+    return Annotated[list[item], Field(min_length=min_length, max_length=limit), max_items(limit)]
+
+
+def _plain_int(value: Any) -> Any:
+    """JSON Schema's integer: `2` or `2.0`; pydantic's lax mode would also take `true`, `"2"`."""
+    if isinstance(value, bool | str | bytes):
+        raise ValueError("Input should be a valid integer")
+    return value
+
+
+_PLAIN_INT = BeforeValidator(_plain_int)
+
+
 def _in_vocab(value: int, info: ValidationInfo) -> int:
     vocab = (info.context or {}).get("vocab_size")
     if vocab is not None and value >= vocab:
@@ -54,22 +79,24 @@ def _in_vocab(value: int, info: ValidationInfo) -> int:
     return value
 
 
-Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
-Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), AfterValidator(_in_vocab)]
-TokenIds = Annotated[list[TokenId], max_items(MAX_PROMPT_IDS)]
-StopTokenIds = Annotated[list[TokenId], max_items(MAX_STOP_TOKEN_IDS)]
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX), _PLAIN_INT]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX), _PLAIN_INT]
+Int64 = Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX), _PLAIN_INT]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), _PLAIN_INT, AfterValidator(_in_vocab)]
+TokenIds = bounded_list(TokenId, MAX_PROMPT_IDS)
+StopTokenIds = bounded_list(TokenId, MAX_STOP_TOKEN_IDS)
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-Stop = StopString | Annotated[list[StopString], max_items(MAX_STOP_STRINGS)]
+Stop = StopString | bounded_list(StopString, MAX_STOP_STRINGS)
 Temperature = Annotated[float, Field(ge=0, le=100)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Unit = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
-TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20), _PLAIN_INT]
+Positive = Annotated[int, Field(gt=0, le=INT32_MAX), _PLAIN_INT]
+Bool = StrictBool
 
 
 def _top_k_rule(value: int) -> int:
@@ -85,5 +112,5 @@ def _within_max_n(value: int, info: ValidationInfo) -> int:
     return value
 
 
-N = Annotated[int, Field(ge=1, le=INT32_MAX), AfterValidator(_within_max_n)]
-TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), AfterValidator(_top_k_rule)]
+N = Annotated[int, Field(ge=1, le=INT32_MAX), _PLAIN_INT, AfterValidator(_within_max_n)]
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), _PLAIN_INT, AfterValidator(_top_k_rule)]

@@ -3,6 +3,7 @@ the routes validate with, so schema-driven fuzzers and client generators see wha
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,13 +25,17 @@ ERROR_STATUSES = {
 }  # fmt: skip
 
 
-def operation_extra(body: type[BaseModel] | None) -> dict:
-    """The `openapi_extra` of one route: its JSON body (if any) and its error answers."""
+def operation_extra(body: type[BaseModel] | None, path: str) -> dict:
+    """The `openapi_extra` of one route: its JSON body (if any), path parameters, errors."""
     errors = {
         code: {"description": text, "content": {"application/json": {"schema": ERROR_SCHEMA}}}
         for code, text in ERROR_STATUSES.items()
     }
     extra: dict[str, Any] = {"responses": errors}
+    names = re.findall(r"{(\w+)(?::\w+)?}", path)
+    if names:
+        extra["parameters"] = [{"name": name, "in": "path", "required": True,
+                                "schema": {"type": "string"}} for name in names]  # fmt: skip
     if body is not None:
         schema = {"$ref": REF.format(model=body.__name__)}
         extra["requestBody"] = {"required": True,

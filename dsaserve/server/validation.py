@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from dsaserve.server.errors import APIError, bad_request
-from dsaserve.server.json_limits import decode_json
+from dsaserve.server.json_limits import check_strings, decode_json, may_hold_surrogates
 
 M = TypeVar("M", bound=BaseModel)
 MAX_REPORTED_ERRORS = 3
@@ -58,9 +58,12 @@ def decode_model(body: bytes, model: type[M], context: dict | None = None) -> M:
     """Bytes -> validated model, or APIError (400). Pure, so it can run in a worker process."""
     data = decode_json(body)
     try:
-        return model.model_validate(data, context=context)
+        request = model.model_validate(data, context=context)
     except ValidationError as e:
         raise validation_error(e) from e
+    if may_hold_surrogates(body):
+        check_strings(request.model_dump(exclude_defaults=True))
+    return request
 
 
 def validate_data(data: dict, model: type[M], context: dict | None = None) -> M:

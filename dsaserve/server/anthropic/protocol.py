@@ -3,7 +3,7 @@ field typed; a content block of a type the API does not define is a 400 naming i
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -11,12 +11,15 @@ from dsaserve.server.fields import (
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
+    Bool,
+    Count,
     Name,
+    Positive,
     StopString,
     Strict,
     TopK,
     TopP,
-    max_items,
+    bounded_list,
 )
 
 # The block types of the Messages API (client blocks, and server-tool results echoed back).
@@ -38,8 +41,8 @@ class Block(Strict):
     name: Name | None = None
     input: Any = None
     tool_use_id: Name | None = None
-    content: str | Annotated[list[Block], max_items(MAX_MESSAGES)] | None = None
-    is_error: bool | None = None
+    content: str | bounded_list(Block, MAX_MESSAGES) | None = None
+    is_error: Bool | None = None
     thinking: str | None = None
     signature: str | None = None
 
@@ -51,7 +54,7 @@ class TextBlock(Strict):
     text: str
 
 
-Blocks = Annotated[list[Block], max_items(MAX_MESSAGES)]
+Blocks = bounded_list(Block, MAX_MESSAGES)
 
 
 class Message(Strict):
@@ -68,13 +71,13 @@ class AnthropicTool(Strict):
 
 class ThinkingConfig(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    budget_tokens: Count | None = None
 
 
 class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: Name | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: Bool | None = None
 
 
 class OutputConfig(Strict):
@@ -83,15 +86,15 @@ class OutputConfig(Strict):
 
 class MessagesRequest(Strict):
     model: str | None = None
-    messages: Annotated[list[Message], max_items(MAX_MESSAGES), Field(min_length=1)]
-    max_tokens: int = Field(gt=0, le=2**31 - 1)
-    system: str | Annotated[list[TextBlock], max_items(MAX_MESSAGES)] | None = None
-    stop_sequences: Annotated[list[StopString], max_items(MAX_STOP_STRINGS)] | None = None
-    stream: bool = False
+    messages: bounded_list(Message, MAX_MESSAGES, min_length=1)
+    max_tokens: Positive
+    system: str | bounded_list(TextBlock, MAX_MESSAGES) | None = None
+    stop_sequences: bounded_list(StopString, MAX_STOP_STRINGS) | None = None
+    stream: Bool = False
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: TopP | None = None
     top_k: TopK | None = None
-    tools: Annotated[list[AnthropicTool], max_items(MAX_TOOLS)] | None = None
+    tools: bounded_list(AnthropicTool, MAX_TOOLS) | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
@@ -99,4 +102,4 @@ class MessagesRequest(Strict):
 
 
 class CountTokensRequest(MessagesRequest):
-    max_tokens: int = Field(default=1, gt=0, le=2**31 - 1)
+    max_tokens: Positive = 1

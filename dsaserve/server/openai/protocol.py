@@ -16,7 +16,9 @@ from pydantic import Field, model_validator
 from dsaserve.server.fields import (
     MAX_LIST_PROMPTS,
     MAX_MESSAGES,
+    MAX_PROMPT_IDS,
     MAX_TOOLS,
+    Bool,
     Count,
     Int64,
     N,
@@ -28,12 +30,13 @@ from dsaserve.server.fields import (
     StopTokenIds,
     Strict,
     Temperature,
+    TokenId,
     TokenIds,
     TopK,
     TopLogprobs,
     TopP,
     Unit,
-    max_items,
+    bounded_list,
 )
 
 
@@ -41,7 +44,7 @@ class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class Tool(Strict):
@@ -78,7 +81,7 @@ class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: Name | None = None
-    tool_calls: Annotated[list[ToolCallIn], max_items(MAX_TOOLS)] | None = None
+    tool_calls: bounded_list(ToolCallIn, MAX_TOOLS) | None = None
     tool_call_id: Name | None = None
     reasoning_content: str | None = None
 
@@ -90,8 +93,8 @@ class ChatMessage(Strict):
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class ResponseFormat(Strict):
@@ -115,43 +118,43 @@ class SamplingFields(Strict):
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
     seed: Int64 | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stream: bool = False
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    no_stop_trim: Bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: Rid | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], max_items(MAX_MESSAGES), Field(min_length=1)]
+    messages: bounded_list(ChatMessage, MAX_MESSAGES, min_length=1)
     max_completion_tokens: Count | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: Annotated[list[Tool], max_items(MAX_TOOLS)] | None = None
+    tools: bounded_list(Tool, MAX_TOOLS) | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Name | None = None
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
-    return_meta_info: bool = False
+    separate_reasoning: Bool = True
+    stream_reasoning: Bool = True
+    return_meta_info: Bool = False
 
 
 Prompt = (
-    str
-    | Annotated[list[str], max_items(MAX_LIST_PROMPTS)]
-    | TokenIds
-    | Annotated[list[TokenIds], max_items(MAX_LIST_PROMPTS)]
-)
+    Annotated[str, Field(min_length=1)]
+    | bounded_list(Annotated[str, Field(min_length=1)], MAX_LIST_PROMPTS, min_length=1)
+    | bounded_list(TokenId, MAX_PROMPT_IDS, min_length=1)
+    | bounded_list(bounded_list(TokenId, MAX_PROMPT_IDS, 1), MAX_LIST_PROMPTS, min_length=1)
+)  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
     max_tokens: Count | None = 16
-    echo: bool = False
+    echo: Bool = False
     logprobs: TopLogprobs | None = None
     suffix: str | None = None
 
@@ -170,10 +173,10 @@ class NativeSamplingParams(Strict):
     repetition_penalty: RepetitionPenalty = 1.0
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    no_stop_trim: Bool = False
     n: N = 1
     seed: Int64 | None = None
     sampling_seed: Int64 | None = None
@@ -194,8 +197,8 @@ class GenerateRequestIn(Strict):
     text: str | None = None
     input_ids: TokenIds | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
-    return_logprob: bool = False
+    stream: Bool = False
+    return_logprob: Bool = False
     top_logprobs_num: TopLogprobs = 0
     rid: Rid | None = None
 
@@ -204,4 +207,4 @@ class AbortIn(Strict):
     """`/abort_request`: one request by rid, or all of them."""
 
     rid: Annotated[str, Field(max_length=256)] = ""
-    abort_all: bool = False
+    abort_all: Bool = False
