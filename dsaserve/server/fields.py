@@ -6,9 +6,9 @@ million stop strings) is a 400 naming the field, before anything reaches the eng
 top-level fields are ignored (the models say `extra="ignore"`), as OpenAI and SGLang servers do,
 so routers that re-serialise bodies with fields of their own keep working.
 
-Integers are plain JSON numbers (`2` or `2.0`, never `true`, `"2"` or `2.5`). Nesting depth is
-checked on the raw JSON before validation, lone surrogates in every string of the validated request
-after it (`json_limits`), naming the path.
+Integers are plain JSON numbers (`2` or `2.0`, never `true`, `"2"` or `2.5`), booleans are JSON
+booleans. Nesting depth (anywhere) and lone surrogates (in known fields) are checked on the raw
+JSON before validation (`json_limits`), naming the path.
 """
 
 from __future__ import annotations

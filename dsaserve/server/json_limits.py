@@ -3,7 +3,7 @@
 `decode_json` turns bytes into Python values and refuses, as 400 naming the path, nesting deeper
 than `MAX_JSON_DEPTH` (the decoder's own RecursionError included). `check_strings` refuses lone
 surrogates (`"a\\ud800b"` decodes in Python, but no tokenizer or UTF-8 encoder takes it) in the
-validated request: every known field, free-form ones (tool schemas, template kwargs) included;
+known top-level fields of a request, free-form ones (tool schemas, template kwargs) included;
 unknown fields are dropped by validation and never reach anything. Integers need no walk: every
 integer field is bounded by its model. Walks are iterative; the path of a violation is found by a
 second walk only when there is one.

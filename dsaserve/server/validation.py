@@ -57,13 +57,12 @@ async def read_body(request: Request, limit: int) -> bytes:
 def decode_model(body: bytes, model: type[M], context: dict | None = None) -> M:
     """Bytes -> validated model, or APIError (400). Pure, so it can run in a worker process."""
     data = decode_json(body)
+    if may_hold_surrogates(body):  # in known fields only: unknown ones are dropped unread
+        check_strings({k: v for k, v in data.items() if k in model.model_fields})
     try:
-        request = model.model_validate(data, context=context)
+        return model.model_validate(data, context=context)
     except ValidationError as e:
         raise validation_error(e) from e
-    if may_hold_surrogates(body):
-        check_strings(request.model_dump(exclude_defaults=True))
-    return request
 
 
 def validate_data(data: dict, model: type[M], context: dict | None = None) -> M:
@@ -99,5 +98,6 @@ def _is_type_tag(part: str) -> bool:
     """Pydantic names union branches by type ('str', 'list[ContentPart]', 'NamedToolChoice')."""
     if part in ("str", "int", "float", "bool", "dict", "list", "none"):
         return True
-    prefixes = ("list[", "dict[", "literal[", "function-", "json-or-python[", "union[")
+    prefixes = ("list[", "dict[", "literal[", "function-", "json-or-python[", "union[",
+                "constrained-", "lax-", "strict-")  # fmt: skip
     return part.startswith(prefixes) or part[:1].isupper()
