@@ -69,7 +69,14 @@ def _plain_int(value: Any) -> Any:
     return value
 
 
+def _plain_number(value: Any) -> Any:
+    if isinstance(value, bool | str | bytes):
+        raise ValueError("Input should be a valid number")
+    return value
+
+
 _PLAIN_INT = BeforeValidator(_plain_int)
+_PLAIN_NUMBER = BeforeValidator(_plain_number)
 
 
 def _in_vocab(value: int, info: ValidationInfo) -> int:
@@ -89,11 +96,12 @@ Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | bounded_list(StopString, MAX_STOP_STRINGS)
-Temperature = Annotated[float, Field(ge=0, le=100)]
-TopP = Annotated[float, Field(gt=0, le=1)]
-Unit = Annotated[float, Field(ge=0, le=1)]
-Penalty = Annotated[float, Field(ge=-2, le=2)]
-RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
+Temperature = Annotated[float, Field(ge=0, le=100), _PLAIN_NUMBER]
+TopP = Annotated[float, Field(gt=0, le=1), _PLAIN_NUMBER]
+Unit = Annotated[float, Field(ge=0, le=1), _PLAIN_NUMBER]
+Penalty = Annotated[float, Field(ge=-2, le=2), _PLAIN_NUMBER]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100), _PLAIN_NUMBER]
+AnthropicTemperature = Annotated[float, Field(ge=0, le=2), _PLAIN_NUMBER]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), _PLAIN_INT]
 Positive = Annotated[int, Field(gt=0, le=INT32_MAX), _PLAIN_INT]
 Bool = StrictBool
@@ -113,4 +121,9 @@ def _within_max_n(value: int, info: ValidationInfo) -> int:
 
 
 N = Annotated[int, Field(ge=1, le=INT32_MAX), _PLAIN_INT, AfterValidator(_within_max_n)]
-TopK = Annotated[int, Field(ge=-1, le=INT32_MAX), _PLAIN_INT, AfterValidator(_top_k_rule)]
+TopK = Annotated[
+    int,
+    Field(ge=-1, le=INT32_MAX, json_schema_extra={"not": {"const": 0}}),
+    _PLAIN_INT,
+    AfterValidator(_top_k_rule),
+]

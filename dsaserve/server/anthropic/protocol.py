@@ -11,6 +11,7 @@ from dsaserve.server.fields import (
     MAX_MESSAGES,
     MAX_STOP_STRINGS,
     MAX_TOOLS,
+    AnthropicTemperature,
     Bool,
     Count,
     Name,
@@ -91,7 +92,7 @@ class MessagesRequest(Strict):
     system: str | bounded_list(TextBlock, MAX_MESSAGES) | None = None
     stop_sequences: bounded_list(StopString, MAX_STOP_STRINGS) | None = None
     stream: Bool = False
-    temperature: float | None = Field(default=None, ge=0, le=2)
+    temperature: AnthropicTemperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
     tools: bounded_list(AnthropicTool, MAX_TOOLS) | None = None
