@@ -19,11 +19,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from dsaserve.server.errors import APIError
-from dsaserve.server.validation import decode_model
+from dsaserve.server.validation import INLINE_MAX_BYTES, decode_model
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger("dsaserve.server")
-INLINE_MAX_BYTES = 16 * 1024
 THREAD_MAX_BYTES = 1024 * 1024
 WORKERS = 1
 
