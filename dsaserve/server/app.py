@@ -29,7 +29,7 @@ from dsaserve.server.openai.protocol import (
 )
 from dsaserve.server.openapi import build_openapi, operation_extra
 from dsaserve.server.state import ServerState
-from dsaserve.server.validation import check_content_type, read_body
+from dsaserve.server.validation import check_content_type
 
 logger = logging.getLogger("dsaserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -175,10 +175,10 @@ async def _guarded(
 
 
 async def _parse(state: ServerState, request: Request, model: type[BaseModel]) -> Any:
-    body = await read_body(request, state.args.max_request_bytes)
     tm = state.tokenizer_manager
     context = tm.validation_context() if tm is not None else {"max_n": state.args.max_n}
-    return await state.body_decoder.decode(body, model, context)
+    limit = state.args.max_request_bytes
+    return await state.body_decoder.read_and_decode(request, limit, model, context)
 
 
 async def _http_error(request: Request, error: Exception) -> Response:
