@@ -9,10 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.assets import default_model_path
+
+API_KEY_ENV = "DSASERVE_API_KEY"
 
 
 class ArgsError(ValueError):
@@ -46,6 +49,9 @@ class ServerArgs:
     log_level: str = "info"
     skip_server_warmup: bool = False
     max_request_bytes: int = 32 * 1024 * 1024
+    max_n: int = 64
+    max_sequences_per_request: int = 256
+    header_timeout: float = 10.0
     # memory and scheduling
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -101,7 +107,10 @@ class ServerArgs:
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(ns).items() if k in names})
+        values = {k: v for k, v in vars(ns).items() if k in names}
+        if values.get("api_key") is None:  # a key in the environment stays out of `ps`
+            values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        return cls(**values)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -119,10 +128,19 @@ def _check(args: ServerArgs) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ["max_total_tokens", "page_size", "max_running_requests", "max_queued_requests"]:
+    for name in [
+        "max_total_tokens",
+        "page_size",
+        "max_running_requests",
+        "max_queued_requests",
+        "max_n",
+        "max_sequences_per_request",
+    ]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.header_timeout > 0:
+        raise ArgsError(f"--header-timeout must be > 0, got {args.header_timeout}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
         raise ArgsError(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
@@ -227,7 +245,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--random-seed", type=int)
     f("--host")
     f("--port", type=int)
-    f("--api-key")
+    f("--api-key", help=f"require this key (default: ${API_KEY_ENV}, which stays out of `ps`)")
     f("--reasoning-parser", choices=["auto", "glm45", "deepseek-v3", "none"])
     f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
     f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
@@ -239,6 +257,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--log-level", choices=["debug", "info", "warning", "error"])
     f("--skip-server-warmup", **on)
     f("--max-request-bytes", type=int)
+    f("--max-n", type=int, help="most choices (n) one request may ask for")
+    f("--max-sequences-per-request", type=int, help="most prompts x n of one request")
+    f("--header-timeout", type=float, help="seconds a client has to send its request headers")
     f("--mem-fraction-static", type=float)
     f("--max-total-tokens", type=int)
     f("--page-size", type=int)

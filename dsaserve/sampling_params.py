@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# What each field may hold (the engine gets these as a plain dict over IPC and trusts no caller).
+_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n", "force_after_token_id")
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+           "presence_penalty")  # fmt: skip
+_BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
+             "force_after_token_id")  # fmt: skip
+_INT_LISTS = ("stop_token_ids", "force_token_ids")
 
 
 @dataclass
@@ -44,6 +55,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the field for values no sampler can honour."""
+        self._check_types()
         checks = [
             (self.max_tokens is None or self.max_tokens >= 0, "max_tokens", "must be >= 0"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
@@ -61,6 +73,14 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
 
+    def _check_types(self) -> None:
+        for name in (*_INTS, *_FLOATS, *_BOOLS, "stop", *_INT_LISTS):
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not _type_ok(name, value):
+                raise ValueError(f"{name} has the wrong type ({type(value).__name__})")
+
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """Fill the unset (None) fields from a generation_config-style dict."""
         filled = {k: defaults[k] for k in ("temperature", "top_p", "top_k") if k in defaults}
@@ -74,3 +94,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_ok(name: str, value: Any) -> bool:
+    if name in _INTS:
+        return _is_int(value)
+    if name in _FLOATS:
+        return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    if name in _BOOLS:
+        return isinstance(value, bool)
+    if name == "stop":
+        return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    return isinstance(value, list | tuple) and all(_is_int(v) for v in value)

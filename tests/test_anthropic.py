@@ -99,7 +99,8 @@ def test_errors_use_the_anthropic_envelope(main_server: Server, client: anthropi
     body = r.json()
     assert r.status_code == 400 and body["type"] == "error"
     assert body["error"]["type"] == "invalid_request_error"
-    r = httpx.post(main_server.url + "/v1/messages", content=b"{not json")
+    r = httpx.post(main_server.url + "/v1/messages", content=b"{not json",
+                   headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and r.json()["type"] == "error"
     bad = {"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": [
         {"type": "redacted_thinking", "data": "x"}]}]}  # fmt: skip

@@ -48,16 +48,17 @@ def test_malformed_and_oversized_bodies(main_server: Server):
     url = main_server.url + "/v1/chat/completions"
     r = httpx.post(url, content=b'{"messages": [', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
-    r = httpx.post(url, content=b"[1, 2]")
+    json_type = {"content-type": "application/json"}
+    r = httpx.post(url, content=b"[1, 2]", headers=json_type)
     assert r.status_code == 400
     big = b'{"messages": "' + b"x" * MAX_REQUEST_BYTES + b'"}'
-    assert httpx.post(url, content=big).status_code == 413
+    assert httpx.post(url, content=big, headers=json_type).status_code == 413
 
     def chunks():  # no content-length: the limit still holds
         for _ in range(4):
             yield b"x" * (MAX_REQUEST_BYTES // 2)
 
-    assert httpx.post(url, content=chunks()).status_code == 413
+    assert httpx.post(url, content=chunks(), headers=json_type).status_code == 413
     many = {"messages": [{"role": "bad", "content": "y" * 50}] * 1000}
     r = httpx.post(url, json=many)
     assert r.status_code == 400 and len(r.content) < 2000
@@ -74,8 +75,11 @@ def test_other_routes_reject_bad_input(main_server: Server):
     r = httpx.post(url + "/generate", json={"input_ids": [10**7]})  # engine refuses: 400 too
     assert r.status_code == 400, r.text
     r = httpx.post(url + "/generate", json={"text": "x", "sampling_params": {"top_k": 0}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
-    assert httpx.post(url + "/abort_request", content=b"{bad").status_code == 400
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.top_k"
+    bad = httpx.post(
+        url + "/abort_request", content=b"{bad", headers={"content-type": "application/json"}
+    )
+    assert bad.status_code == 400
     assert httpx.post(url + "/abort_request", json={}).status_code == 400
 
 

@@ -102,9 +102,11 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
-        """Queue one completion. Raises ValueError (naming the field) for input it cannot serve."""
-        params = SamplingParams(**request.sampling).with_defaults(self.generation_defaults)
-        self._check_request(request, params)
+        """Queue one completion. Raises ValueError (naming the field) for input it cannot serve;
+        nothing is left behind when it raises."""
+        self._check_request(request)
+        params = _sampling_params(request.sampling).with_defaults(self.generation_defaults)
+        self._check_params(params)
         state = SamplingState(
             params, request.input_ids, self.model_config.vocab_size, self.eos_token_ids
         )
@@ -116,7 +118,7 @@ class Engine:
         self.reqs[req.rid] = req
         self.scheduler.add(req)
 
-    def _check_request(self, request: GenerateRequest, params: SamplingParams) -> None:
+    def _check_request(self, request: GenerateRequest) -> None:
         if request.rid in self.reqs:
             raise ValueError(f"rid {request.rid!r} is already in flight")
         if not request.input_ids:
@@ -129,6 +131,18 @@ class Engine:
                 f"the prompt has {len(request.input_ids)} tokens; the context length is "
                 f"{self.context_length}"
             )
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """Token ids and seeds the sampler would index or hash with (the API checks them too)."""
+        vocab = self.model_config.vocab_size
+        for name in ("stop_token_ids", "force_token_ids"):
+            if any(not 0 <= t < vocab for t in getattr(params, name)):
+                raise ValueError(f"{name} must be token ids in [0, {vocab})")
+        trigger = params.force_after_token_id
+        if trigger is not None and not 0 <= trigger < vocab:
+            raise ValueError(f"force_after_token_id must be a token id in [0, {vocab})")
+        if params.seed is not None and not -(2**63) <= params.seed < 2**63:
+            raise ValueError("seed must be a 64-bit integer")
 
     def abort(self, rid: str) -> RequestOutput | None:
         req = self.reqs.pop(rid, None)
@@ -143,15 +157,22 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One batch. A failure while running it ends that batch's requests with an error (their
+        KV freed, nothing cached from the failed run); the engine serves everyone else."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
-        self._count_prompt(scheduled)
-        if self.spec is not None:
-            self.spec.step(scheduled, self.sampler, self._append)
-            self.spec.report.log_line(self.stats)
-        else:
-            self._step_plain(scheduled)
+        try:
+            self._count_prompt(scheduled)
+            if self.spec is not None:
+                self.spec.step(scheduled, self.sampler, self._append_isolated)
+                self.spec.report.log_line(self.stats)
+            else:
+                self._step_plain(scheduled)
+        except Exception as e:
+            logger.exception("a step failed; ending its %d request(s)", len(scheduled.reqs))
+            for req in scheduled.reqs:
+                req.fail(f"the engine could not run this request: {type(e).__name__}")
         return self._collect(scheduled.reqs)
 
     def _step_plain(self, scheduled: ScheduledBatch) -> None:
@@ -162,7 +183,15 @@ class Engine:
         if reqs:
             result = self.sampler(logits, [r.sampling for r in reqs])
             for req, token, lp in zip(reqs, result.token_ids, result.logprobs):
-                self._append(req, token, lp)
+                self._append_isolated(req, token, lp)
+
+    def _append_isolated(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
+        """`_append`, where a failure (detokenizing, stop checks) ends this request alone."""
+        try:
+            self._append(req, token, logprob)
+        except Exception as e:
+            logger.exception("request %s failed after its step", req.rid)
+            req.fail(f"the engine could not continue this request: {type(e).__name__}")
 
     def _count_prompt(self, scheduled: ScheduledBatch) -> None:
         for req, start in zip(scheduled.reqs, scheduled.starts):
@@ -239,6 +268,14 @@ class Engine:
         self.cache.evict(self.pool.pages.num_pages)
         self.cache.reset()
         return True
+
+
+def _sampling_params(fields: dict) -> SamplingParams:
+    """The request's SamplingParams; a field of the wrong name or type is a ValueError."""
+    try:
+        return SamplingParams(**fields)
+    except TypeError as e:
+        raise ValueError(f"sampling: {e}") from e
 
 
 def _device(name: str) -> torch.device:

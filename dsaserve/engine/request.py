@@ -59,6 +59,12 @@ class Req:
             self.finish_reason = {"type": kind, "matched": matched}
             self.pending_text += self.detok.flush()
 
+    def fail(self, message: str, status: int = 500) -> None:
+        """End with an error for this request alone (the engine keeps serving the others)."""
+        if self.finish_reason is None:
+            self.finish_reason = {"type": "error", "matched": None, "message": message[:500],
+                                  "status": status}  # fmt: skip
+
     def take_output(self) -> RequestOutput:
         out = RequestOutput(
             rid=self.rid,

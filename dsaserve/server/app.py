@@ -11,11 +11,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
 
 from dsaserve import __version__
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.console import add_console_routes
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai import serving_chat, serving_completions
@@ -25,70 +28,83 @@ from dsaserve.server.openai.protocol import (
     CompletionRequest,
     GenerateRequestIn,
 )
+from dsaserve.server.openapi import build_openapi, operation_extra
 from dsaserve.server.state import ServerState
-from dsaserve.server.validation import parse
+from dsaserve.server.validation import check_content_type
 
 logger = logging.getLogger("dsaserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
 
-Handler = Callable[[ServerState, Request], Awaitable[Any]]
+Handler = Callable[..., Awaitable[Any]]
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """All routes over one shared `ServerState`."""
-    app = FastAPI(title="dsaserve", version=__version__, docs_url=None, redoc_url=None)
+    """All routes over one shared `ServerState`. A route with a `body` model gets the body
+    decoded and validated (off the loop when large) and passed as `body`; the same models
+    describe the bodies in `/openapi.json`, which is served behind the API key."""
+    app = FastAPI(title="dsaserve", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.state.server = state
     app.add_middleware(InFlight, state=state)
+    app.add_exception_handler(HTTPException, _http_error)
+    if state.body_decoder is None:
+        state.body_decoder = BodyDecoder(use_processes=False)
+    bodies: list[type[BaseModel]] = []
 
-    def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True):
+    def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True,
+              body: type[BaseModel] | None = None,
+              response_class: type = JSONResponse):  # fmt: skip
         def register(handler: Handler) -> Handler:
             async def endpoint(request: Request) -> Any:
-                return await _guarded(state, request, handler, anthropic_errors, gate)
+                return await _guarded(state, request, handler, anthropic_errors, gate, body)
 
-            app.add_api_route(path, endpoint, methods=methods, name=handler.__name__)
+            if body is not None and body not in bodies:
+                bodies.append(body)
+            app.add_api_route(path, endpoint, methods=methods, name=handler.__name__,
+                              response_class=response_class,
+                              openapi_extra=operation_extra(body, path))  # fmt: skip
             return handler
 
         return register
 
-    _add_generation_routes(route, state.args.max_request_bytes)
+    _add_generation_routes(route)
     _add_admin_routes(route, state)
     add_console_routes(app, state.args.api_key, chat=True)  # no engine, no key, no gate
+
+    @route("/openapi.json", ["GET"], gate=False)
+    async def openapi(state: ServerState, request: Request) -> Any:
+        return build_openapi(app, bodies)
+
     return app
 
 
-def _add_generation_routes(route: Callable, limit: int) -> None:
+def _add_generation_routes(route: Callable) -> None:
     """The inference routes: OpenAI, native and Anthropic."""
 
-    @route("/v1/chat/completions", ["POST"])
-    async def chat(state: ServerState, request: Request) -> Any:
-        body = await parse(request, ChatCompletionRequest, limit)
+    @route("/v1/chat/completions", ["POST"], body=ChatCompletionRequest)
+    async def chat(state: ServerState, request: Request, body: ChatCompletionRequest) -> Any:
         return await serving_chat.chat_completions(state, body, request)
 
-    @route("/v1/completions", ["POST"])
-    async def completions(state: ServerState, request: Request) -> Any:
-        body = await parse(request, CompletionRequest, limit)
+    @route("/v1/completions", ["POST"], body=CompletionRequest)
+    async def completions(state: ServerState, request: Request, body: CompletionRequest) -> Any:
         return await serving_completions.completions(state, body, request)
 
-    @route("/generate", ["POST", "PUT"])
-    async def generate(state: ServerState, request: Request) -> Any:
-        body = await parse(request, GenerateRequestIn, limit)
+    @route("/generate", ["POST", "PUT"], body=GenerateRequestIn)
+    async def generate(state: ServerState, request: Request, body: GenerateRequestIn) -> Any:
         return await serving_completions.generate(state, body, request)
 
-    @route("/v1/messages", ["POST"], anthropic_errors=True)
-    async def messages(state: ServerState, request: Request) -> Any:
-        body = await parse(request, MessagesRequest, limit)
+    @route("/v1/messages", ["POST"], anthropic_errors=True, body=MessagesRequest)
+    async def messages(state: ServerState, request: Request, body: MessagesRequest) -> Any:
         return await anthropic.messages(state, body, request)
 
-    @route("/v1/messages/count_tokens", ["POST"], anthropic_errors=True)
-    async def count_tokens(state: ServerState, request: Request) -> Any:
-        body = await parse(request, CountTokensRequest, limit)
+    @route("/v1/messages/count_tokens", ["POST"], anthropic_errors=True, body=CountTokensRequest)
+    async def count_tokens(state: ServerState, request: Request, body: CountTokensRequest) -> Any:
         return await anthropic.count_tokens(state, body)
 
 
 def _add_admin_routes(route: Callable, state: ServerState) -> None:
     """Models, health, info, cache, abort and metrics."""
-    limit = state.args.max_request_bytes
 
     @route("/v1/models", ["GET"], gate=False)
     async def models(state: ServerState, request: Request) -> Any:
@@ -98,12 +114,12 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     async def model(state: ServerState, request: Request) -> Any:
         return _model_card(state)
 
-    @route("/health", ["GET"], gate=False)
+    @route("/health", ["GET"], gate=False, response_class=Response)
     async def health(state: ServerState, request: Request) -> Any:
         _check_serving(state)
         return Response(status_code=200)
 
-    @route("/health_generate", ["GET"], gate=False)
+    @route("/health_generate", ["GET"], gate=False, response_class=Response)
     async def health_generate(state: ServerState, request: Request) -> Any:
         return await _health_generate(state)
 
@@ -123,9 +139,8 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
             raise APIError(400, "cache not flushed: requests are running or waiting")
         return {"success": True}
 
-    @route("/abort_request", ["POST"])
-    async def abort_request(state: ServerState, request: Request) -> Any:
-        body = await parse(request, AbortIn, limit)
+    @route("/abort_request", ["POST"], body=AbortIn)
+    async def abort_request(state: ServerState, request: Request, body: AbortIn) -> Any:
         if not body.rid and not body.abort_all:
             raise APIError(400, "give rid, or abort_all: true", param="rid")
         rids = [r for r in state.engine.in_flight_rids() if body.abort_all or _owns(body.rid, r)]
@@ -134,27 +149,51 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
     if state.args.enable_metrics:
 
-        @route("/metrics", ["GET"], gate=False)
+        @route("/metrics", ["GET"], gate=False, response_class=PlainTextResponse)
         async def metrics(state: ServerState, request: Request) -> Any:
-            stats = await state.engine.control("stats") if state.engine.dead is None else {}
+            stats = state.engine.stats if state.engine.dead is None else {}
             text = state.metrics.render(stats)
             return Response(text, media_type="text/plain; version=0.0.4")
 
 
 async def _guarded(
-    state: ServerState, request: Request, handler: Handler, anthropic_errors: bool, gate: bool
-) -> Any:
+    state: ServerState, request: Request, handler: Handler, anthropic_errors: bool, gate: bool,
+    body: type[BaseModel] | None,
+) -> Any:  # fmt: skip
     try:
         _authenticate(state, request)
+        check_content_type(request)
         if gate:
             _check_serving(state)
-        return await handler(state, request)
+        if body is None:
+            return await handler(state, request)
+        return await handler(state, request, body=await _parse(state, request, body))
     except APIError as e:
         return e.anthropic_response() if anthropic_errors else e.openai_response()
     except Exception:
         logger.exception("internal error on %s", request.url.path)
         error = APIError(500, "internal server error")
         return error.anthropic_response() if anthropic_errors else error.openai_response()
+
+
+async def _parse(state: ServerState, request: Request, model: type[BaseModel]) -> Any:
+    tm = state.tokenizer_manager
+    context = tm.validation_context() if tm is not None else {"max_n": state.args.max_n}
+    limit = state.args.max_request_bytes
+    return await state.body_decoder.read_and_decode(request, limit, model, context)
+
+
+async def _http_error(request: Request, error: Exception) -> Response:
+    """404, 405 and other routing errors in the API's own error shape."""
+    status = error.status_code if isinstance(error, HTTPException) else 500
+    detail = error.detail if isinstance(error, HTTPException) else "internal server error"
+    answer = APIError(status, f"{request.method} {request.url.path[:100]}: {detail}")
+    if request.url.path.startswith("/v1/messages"):
+        response = answer.anthropic_response()
+    else:
+        response = answer.openai_response()
+    response.headers.update(getattr(error, "headers", None) or {})  # 405: Allow
+    return response
 
 
 def _authenticate(state: ServerState, request: Request) -> None:
@@ -232,9 +271,10 @@ async def _health_generate(state: ServerState) -> Response:
 
 
 async def _server_info(state: ServerState) -> dict:
+    """The flags and the engine stats last published (never waits for a step)."""
     stats = {}
     if state.engine is not None and state.engine.dead is None and state.ready:
-        stats = await state.engine.control("stats")
+        stats = dict(state.engine.stats)
     tm = state.tokenizer_manager
     return {
         **dataclasses.asdict(state.args), "api_key": "***" if state.args.api_key else None,

@@ -1,8 +1,10 @@
 """The API process's side of the engine: send requests, route outputs, notice engine death.
 
 Each submitted request gets a queue; outputs arrive on one ZMQ socket and are routed by rid. A
-request stream that is closed before its request finished (client gone, handler cancelled) sends an
-abort, so the engine frees the request's KV at once.
+request stream that is closed (or dropped) before its request finished (client gone, handler
+cancelled, an error between submit and the first read) unregisters its rid and sends an abort, so
+the engine frees the request's KV at once and no rid stays "in flight". The engine's stats arrive
+whenever they change and are kept in `stats`, so readers never wait for a step.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
@@ -48,6 +49,7 @@ class EngineClient:
         self.process: multiprocessing.process.BaseProcess | None = None
         self.tasks: list[asyncio.Task] = []
         self.metrics: Any = None
+        self.stats: dict = {}
 
     def start(self, process: multiprocessing.process.BaseProcess) -> None:
         self.process = process
@@ -63,53 +65,53 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self.queues)
 
-    async def submit(self, requests: list[GenerateRequest]) -> list[AsyncIterator[RequestOutput]]:
+    async def submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
         """Send requests (admitted together or rejected together); one output stream each."""
         self._check_alive()
         rids = [r.rid for r in requests]
         if len(set(rids)) < len(rids) or any(rid in self.queues for rid in rids):
             raise APIError(400, "a request with this rid is already in flight", param="rid")
-        for request in requests:
-            self.queues[request.rid] = asyncio.Queue()
-            if self.metrics is not None:
-                self.metrics.on_submit(request.rid)
         try:
-            self._send(ipc.Submit(requests))
-        except APIError:
-            for request in requests:
-                self.queues.pop(request.rid, None)
+            data = ipc.encode(ipc.Submit(requests))
+        except (OverflowError, TypeError, ValueError) as e:  # values the IPC cannot carry
+            raise APIError(400, f"the request cannot be sent to the engine: {e}"[:200]) from e
+        streams = [self._register(rid) for rid in rids]
+        try:
+            self._send_bytes(data)
+        except BaseException:
+            for stream in streams:
+                stream.end(abort=False)
+                if self.metrics is not None:
+                    self.metrics.forget(stream.rid)
             raise
-        return [self._stream(r.rid) for r in requests]
+        return streams
 
-    async def _stream(self, rid: str) -> AsyncIterator[RequestOutput]:
-        queue = self.queues[rid]
-        finished = False
-        try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self.queues.pop(rid, None)
-            if not finished:
-                self.abort([rid])
+    def _register(self, rid: str) -> RequestStream:
+        self.queues[rid] = asyncio.Queue()
+        if self.metrics is not None:
+            self.metrics.on_submit(rid)
+        return RequestStream(self, rid, self.queues[rid])
+
+    def forget(self, rid: str, queue: asyncio.Queue) -> None:
+        if self.queues.get(rid) is queue:
+            del self.queues[rid]
 
     def in_flight_rids(self, prefix: str = "") -> list[str]:
         return [rid for rid in self.queues if rid.startswith(prefix)]
 
     def abort(self, rids: list[str]) -> None:
-        if self.dead is None:
+        if self.dead is None and rids:
             try:
                 self._send(ipc.Abort(rids))
-            except APIError:
-                pass  # the engine is gone; nothing left to free
+            except (APIError, zmq.ZMQError):
+                pass  # the engine (or this client) is gone; nothing left to free
 
     def _send(self, message: ipc.ToEngine) -> None:
+        self._send_bytes(ipc.encode(message))
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
-            self.to_engine.send(ipc.encode(message), zmq.NOBLOCK)
+            self.to_engine.send(data, zmq.NOBLOCK)
         except zmq.Again as e:
             raise APIError(503, "engine is not accepting requests", retry_after=1) from e
 
@@ -156,20 +158,28 @@ class EngineClient:
                 if self.metrics is not None:
                     self.metrics.on_output(output)
                 if output.rid in self.queues:
-                    self.queues[output.rid].put_nowait(output)
+                    self.queues[output.rid].put_nowait(_error_or(output))
+        elif isinstance(message, ipc.Stats):
+            self.stats = message.stats
         elif isinstance(message, ipc.Rejected):
             for rid in message.rids:
                 if self.metrics is not None:
                     self.metrics.forget(rid)
                 if rid in self.queues:
                     retry = 1 if message.status == 429 else None
-                    error = APIError(message.status, message.message, retry_after=retry)
+                    error = APIError(
+                        message.status,
+                        message.message,
+                        retry_after=retry,
+                        code="engine_refused" if message.status != 429 else None,
+                    )
                     self.queues[rid].put_nowait(error)
         elif isinstance(message, ipc.ControlReply):
             future = self.replies.get(message.id)
             if future is not None and not future.done():
                 future.set_result(message.result)
         elif isinstance(message, ipc.Ready):
+            self.stats = dict(message.info.get("stats") or {})
             if not self.ready.done():
                 self.ready.set_result(message.info)
         elif isinstance(message, ipc.Fatal):
@@ -193,3 +203,51 @@ class EngineClient:
                 future.set_exception(error)
         if not self.ready.done():
             self.ready.set_exception(error)
+
+
+def _error_or(output: RequestOutput) -> RequestOutput | APIError:
+    """An `error` finish (the engine failed on this request alone) becomes its APIError."""
+    reason = output.finish_reason or {}
+    if output.finished and reason.get("type") == "error":
+        status = int(reason.get("status") or 500)
+        return APIError(status, str(reason.get("message") or "engine error"), code="engine_error")
+    return output
+
+
+class RequestStream:
+    """The outputs of one engine request. Ending it early (aclose, or being dropped unread)
+    unregisters the rid and aborts the request; finishing or failing unregisters it."""
+
+    def __init__(self, client: EngineClient, rid: str, queue: asyncio.Queue) -> None:
+        self.client = client
+        self.rid = rid
+        self.queue = queue
+        self.done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, Exception):
+            self.end(abort=False)
+            raise item
+        if item.finished:
+            self.end(abort=False)
+        return item
+
+    def end(self, abort: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.client.forget(self.rid, self.queue)
+        if abort:
+            self.client.abort([self.rid])
+
+    async def aclose(self) -> None:
+        self.end(abort=True)
+
+    def __del__(self) -> None:
+        self.end(abort=True)

@@ -1,9 +1,13 @@
 """The engine process: receive requests over ZMQ, run `engine.step()`, send outputs back.
 
 It polls without blocking while the engine has work and blocks (briefly, to notice a dead parent)
-when idle. Admission control (`--max-queued-requests`) happens here, where the queue is. A step
-that exceeds `--watchdog-timeout` or any engine exception ends the process; the API process sees
-the death and answers 503.
+when idle. Admission control (`--max-queued-requests`) happens here, where the queue is. Nothing a
+client sends ends this process: a request the engine refuses or fails on is answered with an error
+for that request alone (`Rejected`, or an `error` finish), and a message that does not decode is
+refused, not fatal. The engine stats are published after every change (`Stats`, before the outputs
+of the same step), so the API answers `/get_server_info` and `/metrics` without waiting for a step.
+A step that exceeds `--watchdog-timeout`, or an exception outside any request, ends the process;
+the API process sees the death and answers 503.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from dsaserve.args import ServerArgs
@@ -63,8 +68,10 @@ def build_engine(args: ServerArgs) -> Any:
 
 
 def engine_info(engine: Any) -> dict:
+    config = getattr(engine, "model_config", None)
     return {
         "pid": os.getpid(),
+        "vocab_size": getattr(config, "vocab_size", None),
         "context_length": int(
             getattr(engine, "context_length", engine.model_config.context_length)
         ),
@@ -84,14 +91,18 @@ class EngineLoop:
         self.parent = parent
         self.step_started: float | None = None
         self.stopping = False
+        self.pending: list[ipc.FromEngine] = []  # sent after the stats of the same iteration
+        self.published: dict | None = None
 
     def run(self) -> int:
         threading.Thread(target=self._watchdog, daemon=True).start()
         try:
             while not self.stopping and os.getppid() == self.parent:
                 self._receive(0 if self.engine.has_work() else IDLE_POLL_MS)
+                self._flush()  # admissions and aborts show before the step runs
                 if self.engine.has_work() and not self.stopping:
                     self._step()
+                    self._flush()
             return 0
         except Exception as e:
             traceback.print_exc()
@@ -103,7 +114,17 @@ class EngineLoop:
         outputs = self.engine.step()
         self.step_started = None
         if outputs:
-            self._send(ipc.Outputs(list(outputs)))
+            self.pending.append(ipc.Outputs(list(outputs)))
+
+    def _flush(self) -> None:
+        """Publish the stats if they changed, then what this iteration produced."""
+        stats = self.engine.stats()
+        if stats != self.published:
+            self.published = stats
+            self._send(ipc.Stats(stats))
+        pending, self.pending = self.pending, []
+        for message in pending:
+            self._send(message)
 
     def _receive(self, timeout_ms: int) -> None:
         if not self.inbox.poll(timeout_ms):
@@ -113,36 +134,71 @@ class EngineLoop:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(ipc.decode_to_engine(data))
+            try:
+                message = ipc.decode_to_engine(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self._refuse_undecodable(data, e)
+                continue
+            self._handle(message)
+
+    def _refuse_undecodable(self, data: bytes, error: Exception) -> None:
+        """A message that does not decode: refuse the requests it names (so none is left
+        waiting), keep serving."""
+        print(f"engine: refused an undecodable message: {error}", file=sys.stderr)
+        try:
+            raw = msgspec.msgpack.decode(data)
+            rids = [str(r["rid"]) for r in raw.get("requests", []) if isinstance(r, dict)]
+        except Exception:
+            return
+        if rids:
+            self.pending.append(ipc.Rejected(rids, f"malformed request: {error}"[:300], 400))
 
     def _handle(self, message: ipc.ToEngine) -> None:
         if isinstance(message, ipc.Submit):
             self._admit(message.requests)
         elif isinstance(message, ipc.Abort):
-            finals = [self.engine.abort(rid) for rid in message.rids]
+            finals = [self._abort(rid) for rid in message.rids]
             if any(finals):
-                self._send(ipc.Outputs([f for f in finals if f is not None]))
+                self.pending.append(ipc.Outputs([f for f in finals if f is not None]))
         elif isinstance(message, ipc.Control):
-            self._send(ipc.ControlReply(message.id, self._control(message.op)))
+            self.pending.append(ipc.ControlReply(message.id, self._control(message.op)))
         elif isinstance(message, ipc.Shutdown):
             self.stopping = True
+
+    def _abort(self, rid: str) -> Any:
+        try:
+            return self.engine.abort(rid)
+        except Exception:  # a bug, not the client's: log it and keep serving
+            traceback.print_exc()
+            return None
 
     def _admit(self, requests: list) -> None:
         limit = self.args.max_queued_requests
         if limit is not None and self.engine.stats().get("num_waiting", 0) + len(requests) > limit:
             message = f"too many queued requests (--max-queued-requests {limit})"
-            self._send(ipc.Rejected([r.rid for r in requests], message))
+            self.pending.append(ipc.Rejected([r.rid for r in requests], message))
             return
         for i, request in enumerate(requests):
             try:
                 self.engine.add_request(request)
-            except ValueError as e:  # input the engine cannot serve: 400, not a crash
+            except Exception as e:  # refused for this request alone, never a crash
                 for added in requests[:i]:
-                    self.engine.abort(added.rid)
-                self._send(ipc.Rejected([r.rid for r in requests], str(e), status=400))
+                    self._abort(added.rid)
+                status = 400 if isinstance(e, ValueError | TypeError) else 500
+                if status == 500:
+                    traceback.print_exc()
+                message = str(e) if status == 400 else f"engine error: {type(e).__name__}"
+                self.pending.append(ipc.Rejected([r.rid for r in requests], message, status))
                 return
 
     def _control(self, op: str) -> Any:
+        try:
+            return self._control_op(op)
+        except Exception:
+            traceback.print_exc()
+            return None
+
+    def _control_op(self, op: str) -> Any:
         if op == "stats":
             return self.engine.stats()
         if op == "flush_cache":

@@ -11,12 +11,14 @@ from fastapi.responses import JSONResponse
 MAX_MESSAGE_CHARS = 500
 OPENAI_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-    413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+    405: "MethodNotAllowedError", 413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+    422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
     503: "ServiceUnavailableError",
 }  # fmt: skip
 ANTHROPIC_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+    405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
+    422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
 }  # fmt: skip
 
 

@@ -51,6 +51,12 @@ class ControlReply(msgspec.Struct, tag=True):
     result: Any
 
 
+class Stats(msgspec.Struct, tag=True):
+    """The engine's stats, sent whenever they change (before the outputs of the same step)."""
+
+    stats: dict
+
+
 class Ready(msgspec.Struct, tag=True):
     info: dict
 
@@ -60,7 +66,7 @@ class Fatal(msgspec.Struct, tag=True):
 
 
 ToEngine = Submit | Abort | Control | Shutdown
-FromEngine = Outputs | Rejected | ControlReply | Ready | Fatal
+FromEngine = Outputs | Rejected | ControlReply | Stats | Ready | Fatal
 
 _encoder = msgspec.msgpack.Encoder()
 _to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -21,8 +21,10 @@ import uvicorn
 from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.server import ipc
 from dsaserve.server.app import build_app
+from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.engine_client import EngineClient
 from dsaserve.server.engine_process import run_engine_process
+from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
     ParserConfigError,
@@ -102,10 +104,12 @@ async def serve(args: ServerArgs, tokenizer: Any) -> int:
     engine = EngineClient(paths)
     process = start_engine(args, paths)
     engine.start(process)
-    state = ServerState(args=args, engine=engine)
+    state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder())
+    state.body_decoder.start()
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=5,
-                            access_log=args.log_level == "debug")  # fmt: skip
+                            access_log=args.log_level == "debug",
+                            **uvicorn_limits(args.header_timeout))  # fmt: skip
     server = DrainingServer(config, state)
     server.loop = asyncio.get_running_loop()
     serving = asyncio.create_task(server.serve())
@@ -118,6 +122,7 @@ async def serve(args: ServerArgs, tokenizer: Any) -> int:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
         await stop_engine(engine, process)
+        state.body_decoder.close()
         paths.cleanup()
     return code
 

@@ -16,6 +16,7 @@ class ServerState:
     tokenizer_manager: Any = None
     engine: Any = None
     metrics: Any = None
+    body_decoder: Any = None
     ready: bool = False
     draining: bool = False
     engine_info: dict = field(default_factory=dict)

@@ -60,6 +60,7 @@ class TokenizerManager:
         model_type = model_type_of(args.model_path)
         deepseek = model_type == DEEPSEEK_V32 or args.tool_call_parser == "deepseekv32"
         self.builtin_encoder = not self.template and deepseek  # as sglang picks its dsv32 encoder
+        self.vocab_size = int(engine_info.get("vocab_size") or len(tokenizer))
         self.reasoning_parser = resolve_reasoning_parser(
             args.reasoning_parser, self.template, vocab, model_type
         )
@@ -91,20 +92,31 @@ class TokenizerManager:
             kwargs.setdefault("reasoning_effort", reasoning_effort)
         return kwargs
 
+    def validation_context(self) -> dict:
+        """What the request models check against: the vocabulary and the `n` cap."""
+        return {"vocab_size": self.vocab_size, "max_n": self.args.max_n}
+
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; the Rust tokenizer's batch call releases the GIL, so a long
+        prompt tokenized in a worker thread does not stall the event loop."""
+        fast = getattr(self.tokenizer, "_tokenizer", None)
+        if fast is not None and hasattr(fast, "encode_batch"):
+            return fast.encode_batch([text], add_special_tokens=False)[0].ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
     # ---- limits and sampling
-    def fit_max_tokens(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+    def fit_max_tokens(
+        self, prompt_len: int, max_tokens: int | None, param: str, prompt_param: str = "messages"
+    ) -> int:
         """Check the prompt against the context and return the effective max_tokens."""
         if prompt_len >= self.context_length:
             raise bad_request(
                 f"the prompt has {prompt_len} tokens; this model's context length is "
                 f"{self.context_length}",
-                "messages" if param != "prompt" else "prompt",
+                prompt_param,
                 code="context_length_exceeded",
             )
         if max_tokens is not None and max_tokens > self.context_length:
@@ -124,6 +136,16 @@ class TokenizerManager:
             return SamplingParams(**values)
         except (ValueError, TypeError) as e:
             raise bad_request(str(e), str(e).split(" ")[0]) from e
+
+    def check_sequences(self, count: int, param: str) -> None:
+        """Bound the engine requests one HTTP request makes (prompts x n)."""
+        limit = self.args.max_sequences_per_request
+        if count > limit:
+            raise bad_request(
+                f"this request makes {count} sequences (prompts x n); at most {limit} are "
+                "allowed (--max-sequences-per-request)",
+                param,
+            )
 
     def tool_call_forcing(self, tool_choice: Any, prompt: str) -> dict:
         """Sampling fields that make `tool_choice` "required" or named open a tool call (and name
@@ -155,9 +177,10 @@ class TokenizerManager:
     ) -> list[GenerateRequest]:
         """One engine request per choice (`n` expanded; choice i uses seed + i)."""
         base = rid or uuid.uuid4().hex
+        self.check_sequences(sampling.n, "n")
         requests = []
         for i in range(sampling.n):
-            seed = None if sampling.seed is None else sampling.seed + i
+            seed = None if sampling.seed is None else _wrap_int64(sampling.seed + i)
             choice = dataclasses.replace(sampling, n=1, seed=seed)
             requests.append(
                 GenerateRequest(
@@ -165,6 +188,11 @@ class TokenizerManager:
                 )
             )
         return requests
+
+
+def _wrap_int64(value: int) -> int:
+    """Choice i's seed (seed + i) stays a 64-bit signed integer, as the IPC boundary needs."""
+    return (value + 2**63) % 2**64 - 2**63
 
 
 def normalize_messages(messages: list[Any]) -> list[dict]:

@@ -38,7 +38,7 @@ def _chat(req: MessagesRequest) -> ChatCompletionRequest:
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
-    prepared = await asyncio.to_thread(prepare_chat, state, _chat(req))
+    prepared = await asyncio.to_thread(prepare_chat, state, _chat(req), True)
     return {"input_tokens": len(prepared.input_ids)}
 
 

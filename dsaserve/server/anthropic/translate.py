@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsaserve.server.anthropic.protocol import Block, MessagesRequest
+from dsaserve.server.anthropic.protocol import Block, MessagesRequest, TextBlock, ToolChoice
 from dsaserve.server.errors import bad_request
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -36,13 +36,13 @@ def to_chat_request(req: MessagesRequest) -> dict:
     tools = [t for t in req.tools or [] if not _is_server_tool(t.type)]
     if tools:
         body["tools"] = [_tool(t) for t in tools]
-    if req.tool_choice:
+    if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice, bool(tools))
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
-        kwargs["enable_thinking"] = req.thinking.get("type") != "disabled"
+        kwargs["enable_thinking"] = req.thinking.type != "disabled"
         kwargs["thinking"] = kwargs["enable_thinking"]  # DeepSeek-V3.2's switch
-    effort = (req.output_config or {}).get("effort")
+    effort = req.output_config.effort if req.output_config is not None else None
     if effort is not None:
         body["reasoning_effort"] = EFFORT.get(effort, effort)
     if kwargs:
@@ -50,10 +50,10 @@ def to_chat_request(req: MessagesRequest) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _system_text(system: str | list[Block] | None) -> str:
+def _system_text(system: str | list[TextBlock] | None) -> str:
     if system is None or isinstance(system, str):
         return system or ""
-    texts = [b.text or "" for b in system if b.type == "text"]
+    texts = [b.text for b in system]
     return "\n".join(t for t in texts if not t.lstrip().startswith(BILLING_HEADER))
 
 
@@ -71,7 +71,9 @@ def _convert(role: str, content: str | list[Block], param: str) -> list[dict]:
             if texts:
                 out.append({"role": role, "content": "".join(texts)})
                 texts = []
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
+            if not block.tool_use_id:
+                raise bad_request("a tool_result block needs tool_use_id", f"{param}[{j}]")
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id,
                         "content": _result_text(block.content)})  # fmt: skip
         elif block.type in ("image", "document", "tool_use", "thinking", "redacted_thinking"):
             raise bad_request(f"{block.type} blocks are not supported for {role}", f"{param}[{j}]")
@@ -120,13 +122,12 @@ def _tool(tool: Any) -> dict:
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 
 
-def _tool_choice(choice: dict, has_tools: bool) -> Any:
-    kind = choice.get("type")
+def _tool_choice(choice: ToolChoice, has_tools: bool) -> Any:
+    kind = choice.type
     if kind in ("any", "tool") and not has_tools:
         raise bad_request(f"tool_choice '{kind}' needs at least one custom tool", "tool_choice")
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name", "")}}
-    mapping = {"auto": "auto", "any": "required", "none": "none"}
-    if kind not in mapping:
-        raise bad_request(f"unknown tool_choice type '{kind}'", "tool_choice.type")
-    return mapping[kind]
+        if not choice.name:
+            raise bad_request("tool_choice 'tool' needs a name", "tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]

@@ -1,136 +1,210 @@
-"""OpenAI-compatible request models (pydantic). Unknown fields are ignored; wrong types, bad
-values and unknown roles fail validation and come back as 400 naming the field."""
+"""OpenAI-compatible and SGLang-native request models (pydantic), one per route.
+
+Every known field is typed and bounded (see `fields.py`); unknown top-level fields are ignored, so
+a router may add its own. Wrong types, bad values and unknown roles fail validation and come back
+as 400 naming the field. Internal sampling fields (`force_token_ids`, ...) are not fields of any
+model, so a client cannot set them: they are ignored like any other unknown field. Adding a field
+is one line in the model of its route.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, model_validator
+
+from dsaserve.server.fields import (
+    MAX_LIST_PROMPTS,
+    MAX_MESSAGES,
+    MAX_PROMPT_IDS,
+    MAX_TOOLS,
+    Bool,
+    Count,
+    Int64,
+    N,
+    Name,
+    Penalty,
+    RepetitionPenalty,
+    Rid,
+    Stop,
+    StopTokenIds,
+    Strict,
+    Temperature,
+    TokenId,
+    TokenIds,
+    TopK,
+    TopLogprobs,
+    TopP,
+    Unit,
+    bounded_list,
+)
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class FunctionDef(_Model):
+class FunctionDef(Strict):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
-class Tool(_Model):
+class Tool(Strict):
     type: Literal["function"] = "function"
     function: FunctionDef
 
 
-class ToolChoiceFunction(_Model):
-    name: str
+class ToolChoiceFunction(Strict):
+    name: Name
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(Strict):
     type: Literal["function"] = "function"
     function: ToolChoiceFunction
 
 
-class FunctionCallIn(_Model):
-    name: str
+class FunctionCallIn(Strict):
+    name: Name
     arguments: str | dict[str, Any] | None = None
 
 
-class ToolCallIn(_Model):
-    id: str | None = None
+class ToolCallIn(Strict):
+    id: Name | None = None
     type: Literal["function"] = "function"
     function: FunctionCallIn
 
 
-class ContentPart(_Model):
-    type: str
+class ContentPart(Strict):
+    type: Name
     text: str | None = None
 
 
-class ChatMessage(_Model):
+class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
+    name: Name | None = None
+    tool_calls: bounded_list(ToolCallIn, MAX_TOOLS) | None = None
+    tool_call_id: Name | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _tool_needs_its_call(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
 
-class StreamOptions(_Model):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+
+class StreamOptions(Strict):
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class SamplingFields(_Model):
+class SamplingFields(Strict):
     """Fields shared by chat and completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
-    temperature: float | None = Field(default=None, ge=0, le=100)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = None
-    min_p: float = Field(default=0.0, ge=0, le=1)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    min_tokens: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1, le=64)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stream: bool = False
+    max_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Unit = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: Count = 0
+    n: N = 1
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    seed: Int64 | None = None
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    no_stop_trim: Bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    rid: str | None = None
+    rid: Rid | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    messages: bounded_list(ChatMessage, MAX_MESSAGES, min_length=1)
+    max_completion_tokens: Count | None = None
+    logprobs: Bool = False
+    top_logprobs: TopLogprobs | None = None
+    tools: bounded_list(Tool, MAX_TOOLS) | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    separate_reasoning: bool = True
-    stream_reasoning: bool = True
-    return_meta_info: bool = False
+    reasoning_effort: Name | None = None
+    separate_reasoning: Bool = True
+    stream_reasoning: Bool = True
+    return_meta_info: Bool = False
+
+
+Prompt = (
+    Annotated[str, Field(min_length=1)]
+    | bounded_list(Annotated[str, Field(min_length=1)], MAX_LIST_PROMPTS, min_length=1)
+    | bounded_list(TokenId, MAX_PROMPT_IDS, min_length=1)
+    | bounded_list(bounded_list(TokenId, MAX_PROMPT_IDS, 1), MAX_LIST_PROMPTS, min_length=1)
+)  # fmt: skip
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Prompt
+    max_tokens: Count | None = 16
+    echo: Bool = False
+    logprobs: TopLogprobs | None = None
     suffix: str | None = None
 
 
-class GenerateRequestIn(_Model):
+class NativeSamplingParams(Strict):
+    """SGLang's `sampling_params` (names as SGLang spells them; `sampling_seed` or `seed`)."""
+
+    max_new_tokens: Count | None = 128
+    min_new_tokens: Count = 0
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Unit = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: Stop | None = None
+    stop_token_ids: StopTokenIds | None = None
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    no_stop_trim: Bool = False
+    n: N = 1
+    seed: Int64 | None = None
+    sampling_seed: Int64 | None = None
+
+    def engine_fields(self) -> dict:
+        """The values under `SamplingParams` names (max_tokens, min_tokens, seed)."""
+        fields = self.model_dump()
+        fields["max_tokens"] = fields.pop("max_new_tokens")
+        fields["min_tokens"] = fields.pop("min_new_tokens")
+        seed = fields.pop("sampling_seed")
+        fields["seed"] = seed if seed is not None else fields["seed"]
+        return fields
+
+
+class GenerateRequestIn(Strict):
     """SGLang's native `/generate` body."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=20)
-    rid: str | None = None
+    input_ids: TokenIds | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: Bool = False
+    return_logprob: Bool = False
+    top_logprobs_num: TopLogprobs = 0
+    rid: Rid | None = None
 
 
-class AbortIn(_Model):
+class AbortIn(Strict):
     """`/abort_request`: one request by rid, or all of them."""
 
-    rid: str = ""
-    abort_all: bool = False
+    rid: Annotated[str, Field(max_length=256)] = ""
+    abort_all: Bool = False

@@ -26,8 +26,10 @@ from dsaserve.server.tokenizer_manager import PreparedChat, normalize_messages
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
-    """Template, tokenize, check limits, build sampling."""
+def prepare_chat(
+    state: ServerState, req: ChatCompletionRequest, count_only: bool = False
+) -> PreparedChat:
+    """Template, tokenize, check limits, build sampling (`count_only`: any length, no limits)."""
     tm = state.tokenizer_manager
     if req.response_format is not None and req.response_format.type != "text":
         raise bad_request("response_format other than 'text' is not supported", "response_format")
@@ -51,7 +53,11 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     if parsing:
         fields["skip_special_tokens"] = False  # the parsers need the markup tokens
     fields.update(tm.tool_call_forcing(tool_choice, prompt))
-    sampling = tm.sampling(fields, tm.fit_max_tokens(len(input_ids), max_tokens, param))
+    if count_only:
+        max_tokens = max_tokens or 1
+    else:
+        max_tokens = tm.fit_max_tokens(len(input_ids), max_tokens, param)
+    sampling = tm.sampling(fields, max_tokens)
     return PreparedChat(
         prompt=prompt, input_ids=input_ids, sampling=sampling,
         force_reasoning=prompt.rstrip().endswith("<think>"),

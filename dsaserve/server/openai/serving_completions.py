@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -17,11 +18,9 @@ from dsaserve.server.openai.protocol import CompletionRequest, GenerateRequestIn
 from dsaserve.server.openai.serving_chat import SSE_HEADERS
 from dsaserve.server.state import ServerState
 
-# SGLang sampling_params names -> SamplingParams names
-NATIVE_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-
 
 def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """Token ids of each prompt (run in a worker thread: tokenizing releases the GIL)."""
     tm = state.tokenizer_manager
     if isinstance(prompt, str):
         return [tm.encode(prompt)]
@@ -29,23 +28,34 @@ def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:
         return [list(prompt)]
     if not prompt:
         raise bad_request("prompt must not be empty", "prompt")
+    tm.check_sequences(len(prompt), "prompt")  # before tokenizing them all
     return [tm.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+
+
+def _prepare_completions(state: ServerState, req: CompletionRequest) -> tuple[list, list, str]:
+    tm = state.tokenizer_manager
+    base = req.rid or uuid.uuid4().hex
+    prompts = _prompts(state, req.prompt)
+    tm.check_sequences(len(prompts) * req.n, "n" if len(prompts) == 1 else "prompt")
+    requests, prompt_ids = [], []
+    fields = req.model_dump()
+    for p, ids in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+        if not ids:
+            raise bad_request("prompt must not be empty", param)
+        room = tm.fit_max_tokens(len(ids), req.max_tokens, "max_tokens", param)
+        sampling = tm.sampling(fields, room)
+        for r in tm.make_requests(ids, sampling, f"{base}-{p}"):
+            requests.append(r)
+            prompt_ids.append(ids)
+    return requests, prompt_ids, base
 
 
 async def completions(state: ServerState, req: CompletionRequest, raw: Request) -> Any:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     tm = state.tokenizer_manager
-    base = req.rid or uuid.uuid4().hex
-    requests, prompt_ids = [], []
-    fields = req.model_dump()
-    for p, ids in enumerate(_prompts(state, req.prompt)):
-        if not ids:
-            raise bad_request("prompt must not be empty", "prompt")
-        sampling = tm.sampling(fields, tm.fit_max_tokens(len(ids), req.max_tokens, "max_tokens"))
-        for r in tm.make_requests(ids, sampling, f"{base}-{p}"):
-            requests.append(r)
-            prompt_ids.append(ids)
+    requests, prompt_ids, base = await asyncio.to_thread(_prepare_completions, state, req)
     model = req.model or tm.model_name
     streams = await state.engine.submit(requests)
     if req.stream:
@@ -126,20 +136,25 @@ async def _stream_completions(
     yield "data: [DONE]\n\n"
 
 
-async def generate(state: ServerState, req: GenerateRequestIn, raw: Request) -> Any:
-    """SGLang's `/generate`: text or input_ids; answers `text`, `output_ids` and `meta_info`."""
+def _prepare_generate(state: ServerState, req: GenerateRequestIn) -> list:
     tm = state.tokenizer_manager
     if (req.text is None) == (req.input_ids is None):
         raise bad_request("give exactly one of text or input_ids", "text")
+    param = "text" if req.text is not None else "input_ids"
     ids = tm.encode(req.text) if req.text is not None else list(req.input_ids or [])
     if not ids:
-        raise bad_request("the prompt must not be empty", "text")
-    fields = {NATIVE_RENAMES.get(k, k): v for k, v in req.sampling_params.items()}
+        raise bad_request("the prompt must not be empty", param)
+    fields = req.sampling_params.engine_fields()
     if req.return_logprob:
         fields["logprobs"] = req.top_logprobs_num
-    max_tokens = fields.pop("max_tokens", 128)
-    sampling = tm.sampling(fields, tm.fit_max_tokens(len(ids), max_tokens, "max_new_tokens"))
-    requests = tm.make_requests(ids, sampling, req.rid)
+    max_tokens = fields.pop("max_tokens")
+    room = tm.fit_max_tokens(len(ids), max_tokens, "sampling_params.max_new_tokens", param)
+    return tm.make_requests(ids, tm.sampling(fields, room), req.rid)
+
+
+async def generate(state: ServerState, req: GenerateRequestIn, raw: Request) -> Any:
+    """SGLang's `/generate`: text or input_ids; answers `text`, `output_ids` and `meta_info`."""
+    requests = await asyncio.to_thread(_prepare_generate, state, req)
     streams = await state.engine.submit(requests)
     if req.stream:
         primed = await unless_disconnected(raw, first_outputs(streams))

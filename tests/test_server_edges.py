@@ -1,0 +1,121 @@
+"""Issue 12, the parts that need their own server: `/health` stays fast while a 30 MB body is
+rejected and while an engine step runs (stats come from the last published ones), half-sent
+headers are timed out, and the API key can come from the environment (so it stays out of `ps`),
+with `/openapi.json` behind it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from server_harness import Server, running_server, write_scripts
+
+KEY = "sk-from-the-environment"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SLOW_STEP_S = 1.5
+# The issue asks for 100 ms; a loaded 2-core CI box gets a margin. Waiting for a step (1.5 s) or
+# for a 30 MB decode on the loop (~0.4-1 s) would still fail it.
+LATENCY_LIMIT_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def edge_server(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    slow = {"slow": {"text": "a b c d e f", "chunk": 1, "delay": SLOW_STEP_S}}
+    scripts = write_scripts(tmp_path_factory.mktemp("edge_scripts"), slow)
+    flags = ["--header-timeout", "1", "--enable-metrics"]
+    with running_server(server_checkpoint, *flags, env={"DSASERVE_API_KEY": KEY},
+                        scripts=scripts) as server:  # fmt: skip
+        yield server
+
+
+def latencies_while(server: Server, work: threading.Thread, paths: list[str]) -> dict:
+    """Poll `paths` until `work` ends; the worst latency of each."""
+    worst = dict.fromkeys(paths, 0.0)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
+        while work.is_alive():
+            for path in paths:
+                start = time.perf_counter()
+                assert client.get(path).status_code == 200
+                worst[path] = max(worst[path], time.perf_counter() - start)
+            time.sleep(0.02)
+    return worst
+
+
+def test_health_is_fast_while_a_30mb_body_is_rejected(edge_server: Server):
+    message = {"role": "user", "content": "y" * 10}
+    body = json.dumps({"messages": [message] * 700_000}).encode()
+    assert 25e6 < len(body) < 32 * 1024 * 1024
+    answer: list[httpx.Response] = []
+
+    def send() -> None:
+        answer.append(httpx.post(edge_server.url + "/v1/chat/completions", content=body,
+                                 headers=AUTH | {"content-type": "application/json"},
+                                 timeout=120))  # fmt: skip
+
+    work = threading.Thread(target=send)
+    work.start()
+    worst = latencies_while(edge_server, work, ["/health"])
+    work.join()
+    assert answer[0].status_code == 400, answer[0].text
+    assert answer[0].json()["error"]["param"] == "messages"
+    print(f"/health worst latency during a 30 MB rejection: {worst['/health'] * 1000:.1f} ms")
+    assert worst["/health"] < LATENCY_LIMIT_S, worst
+
+
+def test_stats_do_not_wait_for_a_step(edge_server: Server):
+    body = {"text": "[[script:slow]]", "sampling_params": {"max_new_tokens": 3}}
+
+    def run() -> None:
+        r = httpx.post(edge_server.url + "/generate", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200
+
+    work = threading.Thread(target=run)
+    work.start()
+    deadline = time.monotonic() + 4 * SLOW_STEP_S
+    scripted = 0
+    while not scripted and time.monotonic() < deadline:  # admitted, inside a slow step
+        info = httpx.get(edge_server.url + "/get_server_info", headers=AUTH).json()
+        scripted = info["internal_states"][0]["num_scripted"]
+    worst = latencies_while(edge_server, work, ["/health", "/get_server_info", "/metrics"])
+    work.join()
+    print(
+        "worst latencies during 1.5 s steps:", {k: f"{v * 1000:.1f} ms" for k, v in worst.items()}
+    )
+    assert max(worst.values()) < LATENCY_LIMIT_S, worst
+    assert scripted == 1  # the published stats show the request while its steps run
+
+
+def test_half_sent_headers_are_timed_out(edge_server: Server):
+    address = urlparse(edge_server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=15) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+        start = time.monotonic()
+        try:
+            data = conn.recv(1024)
+        except TimeoutError:
+            data = b"still open"
+        assert data == b"", data
+        assert time.monotonic() - start < 10
+    with socket.create_connection((address.hostname, address.port), timeout=15) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # a whole request is answered
+        assert conn.recv(1024).startswith(b"HTTP/1.1 200")
+
+
+def test_api_key_from_the_environment(edge_server: Server):
+    url = edge_server.url
+    cmdline = Path(f"/proc/{edge_server.process.pid}/cmdline").read_bytes()
+    assert KEY.encode() not in cmdline
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
+    assert httpx.post(url + "/generate", json=body).status_code == 401
+    assert httpx.post(url + "/generate", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(url + "/openapi.json").status_code == 401
+    schema = httpx.get(url + "/openapi.json", headers=AUTH).json()
+    assert "requestBody" in schema["paths"]["/generate"]["post"]
+    assert httpx.get(url + "/get_server_info", headers=AUTH).json()["api_key"] == "***"
