@@ -3,7 +3,7 @@ values and unknown roles fail validation and come back as 400 naming the field."
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,7 +67,19 @@ class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class SamplingFields(_Model):
+RoomId = Annotated[int, Field(ge=0, lt=2**63)]
+PortNumber = Annotated[int, Field(ge=0, lt=65536)]
+
+
+class BootstrapFields(_Model):
+    """What sglang-router adds in PD mode (see dsaserve/disaggregation/request_fields.py)."""
+
+    bootstrap_host: str | list[str | None] | None = None
+    bootstrap_port: PortNumber | list[PortNumber | None] | None = None
+    bootstrap_room: RoomId | list[RoomId] | None = None
+
+
+class SamplingFields(BootstrapFields):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -117,7 +129,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class GenerateRequestIn(_Model):
+class GenerateRequestIn(BootstrapFields):
     """SGLang's native `/generate` body."""
 
     text: str | None = None

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dsaserve.disaggregation.request_fields import attach_bootstrap
+from dsaserve.disaggregation.request_fields import attach_bootstrap
 from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import CompletionRequest, GenerateRequestIn
@@ -47,6 +49,7 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
             requests.append(r)
             prompt_ids.append(ids)
     model = req.model or tm.model_name
+    attach_bootstrap(state.args, req, requests)
     streams = await state.engine.submit(requests)
     if req.stream:
         primed = await unless_disconnected(raw, first_outputs(streams))
@@ -140,6 +143,7 @@ async def generate(state: ServerState, req: GenerateRequestIn, raw: Request) -> 
     max_tokens = fields.pop("max_tokens", 128)
     sampling = tm.sampling(fields, tm.fit_max_tokens(len(ids), max_tokens, "max_new_tokens"))
     requests = tm.make_requests(ids, sampling, req.rid)
+    attach_bootstrap(state.args, req, requests)
     streams = await state.engine.submit(requests)
     if req.stream:
         primed = await unless_disconnected(raw, first_outputs(streams))
