@@ -12,7 +12,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsaserve.disaggregation.request_fields import attach_bootstrap
-from dsaserve.disaggregation.request_fields import attach_bootstrap
 from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import CompletionRequest, GenerateRequestIn
