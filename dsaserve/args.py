@@ -292,9 +292,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "mooncake_tcp", "fake"])
     f("--disaggregation-bootstrap-port", type=int)
     f("--disaggregation-ib-device")
-    f("--disaggregation-timeout", type=float,
-      help="seconds a room may wait for its KV (decode) or its destination (prefill)")
-    f("--disaggregation-heartbeat-interval", type=float,
-      help="seconds between the decode's heartbeats to each prefill's bootstrap server")
-    f("--disaggregation-checksum", **on,
-      help="debug: the decode checks every layer's received KV against the prefill's checksums")
+    f("--disaggregation-timeout", type=float, help="seconds a room may wait for its KV")
+    f("--disaggregation-heartbeat-interval", type=float, help="seconds between heartbeats")
+    f("--disaggregation-checksum", **on, help="debug: check every layer's KV per room")
