@@ -10,7 +10,6 @@ sender threads; the per-room checksum (`--disaggregation-checksum`) is ours.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,11 +26,11 @@ from dsaserve.disaggregation.protocol import (
     parse_to_prefill,
 )
 from dsaserve.disaggregation.transfer import TransferError
+from dsaserve.disaggregation.transfer.base import fault_delay
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
 logger = logging.getLogger(__name__)
-DELAY_ENV = "DSASERVE_PD_TRANSFER_DELAY_S"  # test hook: pause between the KV and the aux write
 FAILED_MEMORY_S = 600.0
 
 
@@ -249,7 +248,7 @@ class PrefillEngine(RoleEngine):
         tail = [kv_layout.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
-        delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+        delay = fault_delay()
         if delay:  # the fault tests kill the prefill in this pause
             self.transfer.write(peer.handle, segments, b"")
             time.sleep(delay)

@@ -19,7 +19,27 @@ BACKENDS = {
     "nixl": "dsaserve.disaggregation.transfer.nixl:NixlEngine",
     "mooncake": "dsaserve.disaggregation.transfer.mooncake:MooncakeEngine",
 }
-FAULT_ENV = "DSASERVE_PD_FAULT"  # test hook: "transfer" makes every write fail
+# Test hooks (fault injection): "transfer" makes every write fail; "delay:S" pauses S seconds
+# between a room's KV write and its aux write. Read from DSASERVE_PD_FAULT, or at each write from
+# the file DSASERVE_PD_FAULT_FILE names (so a test can switch faults on a running server).
+FAULT_ENV = "DSASERVE_PD_FAULT"
+FAULT_FILE_ENV = "DSASERVE_PD_FAULT_FILE"
+
+
+def fault_mode() -> str:
+    path = os.environ.get(FAULT_FILE_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    return os.environ.get(FAULT_ENV, "")
+
+
+def fault_delay() -> float:
+    mode = fault_mode()
+    return float(mode.split(":", 1)[1]) if mode.startswith("delay:") else 0.0
 
 
 class TransferError(RuntimeError):
@@ -45,8 +65,8 @@ class TransferEngine(ABC):
     def _write(self, peer: str, segments: list[Segment], tag: bytes) -> None: ...
 
     def write(self, peer: str, segments: list[Segment], tag: bytes) -> None:
-        if os.environ.get(FAULT_ENV) == "transfer":
-            raise TransferError(f"{FAULT_ENV}=transfer: the transfer engine is broken on purpose")
+        if fault_mode() == "transfer":
+            raise TransferError("fault injection: the transfer engine is broken on purpose")
         if segments:
             self._write(peer, segments, tag)
 

@@ -1,0 +1,87 @@
+"""The real sglang-router (regular mode) over two plain `dsaserve serve` servers: the openai SDK
+through round_robin and power_of_two, and `/get_load` steering power_of_two."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pd_harness import requires_router, running_router, stats, wait_for
+from server_harness import Server, running_server
+
+pytestmark = requires_router
+MODEL = "glm-router-test"
+MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in spring, briefly."}]
+
+
+@pytest.fixture(scope="module")
+def pair(server_checkpoint: Path) -> Iterator[tuple[Server, Server]]:
+    flags = ["--served-model-name", MODEL]
+    with running_server(server_checkpoint, *flags) as a, running_server(
+        server_checkpoint, *flags
+    ) as b:
+        yield a, b
+
+
+def test_extras_the_router_reads(pair: tuple[Server, Server]) -> None:
+    a, _ = pair
+    load = httpx.get(a.url + "/get_load").json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    info = httpx.get(a.url + "/server_info").json()
+    assert info["served_model_name"] == MODEL and Path(info["model_path"]).is_dir()
+    assert httpx.get(a.url + "/model_info").json()["served_model_name"] == MODEL
+
+
+def test_round_robin_chat(pair: tuple[Server, Server]) -> None:
+    before = [stats(s.url)["prompt_tokens"] for s in pair]
+    with running_router("--worker-urls", *(s.url for s in pair), "--policy", "round_robin") as r:
+        client = openai.OpenAI(base_url=r.base, api_key="none")
+        for _ in range(2):
+            reply = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+            )
+            assert reply.choices[0].finish_reason == "length"
+            assert reply.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens == 6
+        assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    after = [stats(s.url)["prompt_tokens"] for s in pair]
+    assert all(x > y for x, y in zip(after, before)), "round_robin used both servers"
+
+
+def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
+    """Busy server A (KV in use, as /get_load reports) gets none of the router's requests."""
+    a, b = pair
+    busy_client = openai.OpenAI(base_url=a.base, api_key="none", max_retries=0)
+    prompt = "word " * 60
+
+    def hold() -> None:
+        busy_client.completions.create(model=MODEL, prompt=prompt, max_tokens=800,
+                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+
+    holders = [threading.Thread(target=hold) for _ in range(4)]
+    with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two") as r:
+        for t in holders:
+            t.start()
+        wait_for(lambda: httpx.get(a.url + "/get_load").json()[0]["num_tokens"] > 0, 60, "load")
+        assert httpx.get(a.url + "/get_load").json()[0]["num_reqs"] == 4
+        before = [stats(s.url)["prompt_tokens"] for s in pair]
+        wait_for(lambda: stats(a.url)["num_running"] == 4, 30, "A busy")
+        threading.Event().wait(2.5)  # the router polls /get_load every second
+        client = openai.OpenAI(base_url=r.base, api_key="none")
+        for i in range(4):
+            if stats(a.url)["num_running"] < 4:
+                break  # A finished early: the rest would prove nothing
+            client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
+        after = [stats(s.url)["prompt_tokens"] for s in pair]
+        for t in holders:
+            t.join()
+    assert after[0] == before[0], "power_of_two sent a request to the loaded server"
+    assert after[1] > before[1]
