@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -17,10 +18,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import stop_group
+from server_harness import Server, _wait_ready, stop_group
 
 PD_ENV = {"UCX_TLS": "tcp,sm,self", "UCX_NET_DEVICES": "lo"}
 ROUTER_START_S = 60
@@ -49,6 +51,38 @@ def pd_flags(role: str, bootstrap_port: int, *extra: str) -> list[str]:
     return ["--disaggregation-mode", role, "--disaggregation-transfer-backend", "nixl",
             "--disaggregation-bootstrap-port", str(bootstrap_port), "--disaggregation-checksum",
             *extra]  # fmt: skip
+
+
+def launch(model: Path, *flags: str, env: dict | None = None) -> Server:
+    """Start a `dsaserve serve` (not waiting); `ready(server)` waits; `stop_all` stops."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **PD_ENV,
+                **(env or {})}  # fmt: skip
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
+               "--port", "0", "--max-total-tokens", "4096", "--page-size", "16", *flags]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=full_env, start_new_session=True)  # fmt: skip
+    return Server("", process)
+
+
+@contextlib.contextmanager
+def running_servers(specs: list[tuple[Path, list[str], dict | None]]) -> Iterator[list[Server]]:
+    """Several servers started at once; every process group is stopped at exit."""
+    servers: list[Server] = []
+    try:
+        servers += [launch(model, *flags, env=env) for model, flags, env in specs]
+        for server in servers:
+            server.url = _wait_ready(server)
+        yield servers
+    finally:
+        stop_all(servers)
+
+
+def stop_all(servers: list[Server]) -> None:
+    threads = [threading.Thread(target=stop_group, args=(s.process,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 @dataclass
@@ -85,7 +119,7 @@ def _wait_router(router: Router) -> None:
     while time.monotonic() < deadline:
         if router.process.poll() is not None:
             break
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx.HTTPError, ValueError):
             models = httpx.get(router.url + "/v1/models", timeout=2).json()
             if models.get("data"):
                 return

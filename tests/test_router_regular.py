@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pd_harness import requires_router, running_router, stats, wait_for
-from server_harness import Server, running_server
+from pd_harness import requires_router, running_router, running_servers, stats, wait_for
+from server_harness import Server
 
 pytestmark = requires_router
 MODEL = "glm-router-test"
@@ -20,10 +20,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in s
 
 @pytest.fixture(scope="module")
 def pair(server_checkpoint: Path) -> Iterator[tuple[Server, Server]]:
-    flags = ["--served-model-name", MODEL]
-    with running_server(server_checkpoint, *flags) as a, running_server(
-        server_checkpoint, *flags
-    ) as b:
+    spec = (server_checkpoint, ["--served-model-name", MODEL], None)
+    with running_servers([spec, spec]) as (a, b):
         yield a, b
 
 
