@@ -57,8 +57,8 @@ def launch(model: Path, *flags: str, env: dict | None = None) -> Server:
     """Start a `dsaserve serve` (not waiting); `ready(server)` waits; `stop_all` stops."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **PD_ENV,
                 **(env or {})}  # fmt: skip
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
-               "--port", "0", "--max-total-tokens", "4096", "--page-size", "16", *flags]  # fmt: skip
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model), "--port",
+               "0", "--max-total-tokens", "4096", "--page-size", "16", *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=full_env, start_new_session=True)  # fmt: skip
     return Server("", process)

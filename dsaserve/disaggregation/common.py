@@ -43,8 +43,8 @@ class RoleEngine:
         backend = args.disaggregation_transfer_backend
         self.transfer = create(backend, self.agent_name, args.host, args.disaggregation_ib_device)
         self.transfer.register(kv_layout.regions(pool, self.aux))
-        self.counters = {"pd_rooms_ok": 0, "pd_rooms_failed": 0, "pd_bytes": 0,
-                         "pd_transfer_seconds": 0.0, "pd_checksum_layers_ok": 0,
+        self.counters = {"pd_rooms_ok": 0, "pd_rooms_failed": 0, "pd_rooms_aborted": 0,
+                         "pd_bytes": 0, "pd_transfer_seconds": 0.0, "pd_checksum_layers_ok": 0,
                          "pd_checksum_mismatches": 0}  # fmt: skip
 
     # ---- what the engine loop and engine_info read ------------------------------------------
@@ -101,6 +101,7 @@ class RoleEngine:
             sock.close(linger=0)
         self.inbox.close(linger=0)
         self.transfer.close()
+        self.context.term()
 
 
 def aborted_output(req: Req) -> RequestOutput:

@@ -75,6 +75,7 @@ class DecodeEngine(RoleEngine):
         if room is None:
             return self.engine.abort(rid)
         state = self._drop(room)
+        self.counters["pd_rooms_aborted"] += 1
         if state.endpoint is not None:
             self.send(state.endpoint, Abort(room, self.endpoint).frames())
         return aborted_output(state.req)

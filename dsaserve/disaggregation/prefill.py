@@ -111,7 +111,7 @@ class PrefillEngine(RoleEngine):
         room = self.room_of.get(rid)
         if room is None:
             return self.engine.abort(rid)
-        state = self._forget(room, "aborted at the prefill")
+        state = self._forget(room, "aborted at the prefill", "pd_rooms_aborted")
         if state.state == KVPoll.Bootstrapping:
             return aborted_output(state.req)
         return self.engine.abort(rid)
@@ -146,6 +146,7 @@ class PrefillEngine(RoleEngine):
         else:
             room = self.rooms.get(message.room)
             if room is not None:
+                self.counters["pd_rooms_aborted"] += 1
                 self.reject([room.req.rid], f"room {message.room} aborted by the decode", 503)
                 self._drop(message.room, room)
             self.infos.pop(message.room, None)
@@ -202,9 +203,9 @@ class PrefillEngine(RoleEngine):
         self.rooms.pop(room, None)
         self.room_of.pop(state.req.rid, None)
 
-    def _forget(self, room: int, reason: str) -> Room | None:
+    def _forget(self, room: int, reason: str, counter: str = "pd_rooms_failed") -> Room | None:
         """Drop a room; tell its decode (when known) it failed."""
-        self.counters["pd_rooms_failed"] += 1
+        self.counters[counter] += 1
         self.failed[room] = (reason, time.monotonic())
         entry = self.infos.pop(room, None)
         if entry is not None:

@@ -46,6 +46,8 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
         sys.exit(1)
     outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
+    if hasattr(engine, "close"):  # a disaggregation role: sockets, bootstrap server, agent
+        engine.close()
     outbox.close(linger=2000)
     inbox.close(linger=0)
     sys.exit(code)
