@@ -29,7 +29,7 @@ from pd_harness import (
 from server_harness import Server, _wait_ready, group_members
 
 pytestmark = [requires_router, requires_nixl]
-HEARTBEAT = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-timeout", "20"]
+HEARTBEAT = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-timeout", "10"]
 MESSAGES = [{"role": "user", "content": "Describe a quiet morning in a small mountain village."}]
 
 
@@ -129,7 +129,7 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
         extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
     )  # fmt: skip
     first = next(iter(stream))  # decoding: its KV already moved
-    cluster.fault("delay:8")
+    cluster.fault("delay:6")
     errors: list[BaseException] = []
 
     def transferring() -> None:
