@@ -41,18 +41,38 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return add_mtp_layer(make_server_checkpoint(tmp_path_factory.mktemp("pd_ckpt")))
 
 
+def mooncake_available() -> bool:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
-    port = free_port()
+    """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
+    port, mooncake_port = free_port(), free_port()
+    names = ["colocated", "prefill", "decode", "decode2"]
     specs = [
         (checkpoint, EAGLE, None),
         (checkpoint, EAGLE + pd_flags("prefill", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
     ]
-    with running_servers(specs) as (colocated, prefill, decode, decode2):
-        yield {"colocated": colocated, "prefill": prefill, "decode": decode, "decode2": decode2,
-               "bootstrap_port": port}  # fmt: skip
+    if mooncake_available():
+        names += ["mooncake_prefill", "mooncake_decode"]
+        for role in ("prefill", "decode"):
+            flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
+            specs.append((checkpoint, EAGLE + flags, None))
+    with running_servers(specs) as started:
+        yield {**dict(zip(names, started)), "bootstrap_port": port,
+               "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected(servers: dict) -> list:
+    return _answers(servers["colocated"].url)
 
 
 def _answers(base: str) -> list:
@@ -89,12 +109,19 @@ def _layers_per_room(checkpoint: Path) -> int:
     return config.num_hidden_layers + 1 + len(index_cache_ids(config, True))  # + the MTP layer
 
 
-def test_one_prefill_one_decode_matches_colocated(servers: dict, checkpoint: Path) -> None:
-    prefill, decode = servers["prefill"], servers["decode"]
-    expected = _answers(servers["colocated"].url)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_one_prefill_one_decode_matches_colocated(
+    servers: dict, expected: list, checkpoint: Path, backend: str
+) -> None:
+    prefix = "" if backend == "nixl" else "mooncake_"
+    if prefix + "prefill" not in servers:
+        pytest.skip("Mooncake does not import here (pip install mooncake-transfer-engine-non-cuda "
+                    "with libibverbs1 libnl-3-200 libnl-route-3-200)")  # fmt: skip
+    prefill, decode = servers[prefix + "prefill"], servers[prefix + "decode"]
     before = stats(decode.url)
-    flags = ["--pd-disaggregation", "--prefill", prefill.url, str(servers["bootstrap_port"]),
-             "--decode", decode.url]  # fmt: skip
+    assert before["pd_transfer_backend"] == backend
+    flags = ["--pd-disaggregation", "--prefill", prefill.url,
+             str(servers[prefix + "bootstrap_port"]), "--decode", decode.url]  # fmt: skip
     with running_router(*flags) as router:
         assert _answers(router.url) == expected
     after = stats(decode.url)
@@ -109,9 +136,8 @@ def test_one_prefill_one_decode_matches_colocated(servers: dict, checkpoint: Pat
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
 
-def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict) -> None:
+def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected: list) -> None:
     prefill, decodes = servers["prefill"], [servers["decode"], servers["decode2"]]
-    expected = _answers(servers["colocated"].url)
     before = [stats(d.url)["pd_rooms_ok"] for d in decodes]
     flags = ["--pd-disaggregation", "--prefill", prefill.url, "--decode", decodes[0].url,
              "--decode", decodes[1].url, "--decode-policy", "round_robin"]  # fmt: skip
