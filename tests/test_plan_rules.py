@@ -91,7 +91,9 @@ APPLIES: list[tuple[str, PlanRequest, Callable[[Plan], bool]]] = [
      and a.dp_size == 1 and a.attn_cp_size == 8 and not a.enable_dp_attention),
     ("pd-disaggregation", R(pd="decode"),
      lambda p: serve_args(p).disaggregation_mode == "decode"
-     and p.commands[-1].dsaserve.startswith("dsaserve router --pd-disaggregation --prefill ")),
+     and serve_args(p).disaggregation_bootstrap_port == 8998
+     and p.commands[-1].dsaserve.startswith(
+         "python -m sglang_router.launch_router --pd-disaggregation --prefill ")),
     ("hicache", R(hicache=True),
      lambda p: serve_args(p).enable_hierarchical_cache and serve_args(p).hicache_ratio == 2),
     ("balanced-max-running", R(recipe="balanced", input_len=4096, output_len=1024),
@@ -212,9 +214,10 @@ def test_router_role_prints_only_the_router():
     p = plan(R(pd="router", port=31000))
     assert [c.role for c in p.commands] == ["router"]
     router = p.commands[0]
-    assert router.dsaserve.split()[:3] == ["dsaserve", "router", "--pd-disaggregation"]
-    assert "http://${PREFILL_HOST}:31000" in router.dsaserve
+    # no `dsaserve router`: the real sglang-router fronts both stacks, the bootstrap port given
+    assert router.dsaserve == router.sglang
     assert router.sglang.startswith("python -m sglang_router.launch_router --pd-disaggregation")
+    assert "--prefill http://${PREFILL_HOST}:31000 8998 --decode" in router.dsaserve
 
 
 @pytest.mark.parametrize(

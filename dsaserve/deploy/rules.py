@@ -6,6 +6,7 @@ roles, memory fraction); the fit checks that follow are in `dsaserve.deploy.chec
 
 from __future__ import annotations
 
+from dsaserve.deploy.commands import BOOTSTRAP_PORT
 from dsaserve.deploy.layout import Layout, Speculative
 from dsaserve.deploy.registry import Refuse, RuleList
 
@@ -246,13 +247,20 @@ def _hopper_fp8_kv(lay: Layout) -> str | None:
 # ---------------------------------------------------------------- serving roles and caches
 
 
-@rule("pd-disaggregation", "PD: prefill and decode workers behind `dsaserve router`.")
+@rule(
+    "pd-disaggregation",
+    "PD: prefill and decode workers behind sglang-router; KV by Mooncake (RDMA) on GPUs, NIXL on "
+    "CPU; the prefill's bootstrap server on 8998.",
+)
 def _pd(lay: Layout) -> str | None:
     role = lay.request.pd
     if role not in ("prefill", "decode"):
         return None
+    backend = "nixl" if lay.hardware.is_cpu else "mooncake"
     lay.flags["--disaggregation-mode"] = role
-    return f"{role} worker"
+    lay.flags["--disaggregation-transfer-backend"] = backend
+    lay.flags["--disaggregation-bootstrap-port"] = str(BOOTSTRAP_PORT)
+    return f"{role} worker, KV over {backend}"
 
 
 @rule("hicache", "HiCache: host KV tier of --hicache-ratio 2 x the device pool (indexer keys too).")
