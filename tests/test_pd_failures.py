@@ -122,31 +122,41 @@ def test_client_disconnect_at_the_router(cluster: Cluster) -> None:
     _served(cluster)
 
 
+def _direct(cluster: Cluster, role: str, room: int, answers: dict) -> None:
+    """One room sent to one role directly (as the router would), its answer kept."""
+    body = {"text": MESSAGES[0]["content"], "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap,
+            "bootstrap_room": room}  # fmt: skip
+    try:
+        answers[role] = httpx.post(cluster.url(role) + "/generate", json=body, timeout=60)
+    except httpx.HTTPError as e:
+        answers[role] = e
+
+
 def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
-    client = _client(cluster)
-    stream = client.chat.completions.create(
+    stream = _client(cluster).chat.completions.create(
         model="m", messages=MESSAGES, max_tokens=300, temperature=0, stream=True,
         extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
     )  # fmt: skip
     first = next(iter(stream))  # decoding: its KV already moved
     cluster.fault("delay:6")
-    errors: list[BaseException] = []
-
-    def transferring() -> None:
-        try:
-            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
-        except openai.APIError as e:
-            errors.append(e)
-
-    waiter = threading.Thread(target=transferring)
-    waiter.start()
+    answers: dict = {}
+    room = 2**62 + 12345
+    senders = [threading.Thread(target=_direct, args=(cluster, role, room, answers))
+               for role in ("prefill", "decode")]  # fmt: skip
+    for t in senders:
+        t.start()
     wait_for(lambda: stats(cluster.url("decode"))["pd_rooms_active"] == 1, 30, "a room")
     time.sleep(1.5)  # the prefill is now between the KV write and the aux write
     cluster.kill("prefill")
     killed = time.monotonic()
-    waiter.join(30)
-    assert not waiter.is_alive() and errors, "the transferring request ended in an error"
-    assert time.monotonic() - killed < 20
+    for t in senders:
+        t.join(30)
+    # the decode noticed the lost prefill through its heartbeat, not through a client
+    assert time.monotonic() - killed < 15
+    assert answers["decode"].status_code == 503, answers["decode"].text
+    assert "bootstrap server" in answers["decode"].json()["error"]["message"]
+    assert isinstance(answers["prefill"], httpx.HTTPError)
     chunks = [first, *stream]  # the decoding request finishes on the decode alone
     assert chunks[-1].usage.completion_tokens == 300
     cluster.fault("")

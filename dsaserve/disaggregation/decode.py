@@ -32,6 +32,7 @@ class Room:
     since: float
     state: KVPoll = KVPoll.Bootstrapping
     endpoint: str | None = None  # the prefill rank's ZMQ endpoint
+    session: str | None = None  # the prefill's session the destination was sent to
     pages: list[int] = field(default_factory=list)
     aux_index: int | None = None
     detail: dict | None = None  # the Success status, waiting for its notification
@@ -101,12 +102,20 @@ class DecodeEngine(RoleEngine):
         timeout = self.args.disaggregation_timeout
         if state.state == KVPoll.Bootstrapping:
             self._bootstrap(room, state)
-        elif state.state == KVPoll.Success:
-            if not self.transfer.notifies or room in self.notified:
-                return self._finish(room, state)
+        elif state.state == KVPoll.Success and self._written(room):
+            return self._finish(room, state)
+        else:
+            prefill = self.directory.get(state.address)
+            if prefill.lost or (prefill.session and prefill.session != state.session):
+                reason = prefill.lost or "the prefill restarted (a new session) during the transfer"
+                return self._fail(room, reason, 503) or []
         if room in self.rooms and expired(state.since, timeout):
             self._fail(room, f"the KV of room {room} did not arrive within {timeout}s", 504)
         return []
+
+    def _written(self, room: int) -> bool:
+        """Whether the write's notification came (NIXL sends one; others need none)."""
+        return not self.transfer.notifies or room in self.notified
 
     def _bootstrap(self, room: int, state: Room) -> None:
         prefill = self.directory.get(state.address)
@@ -122,7 +131,7 @@ class DecodeEngine(RoleEngine):
             self.registered[prefill.endpoint] = prefill.session
         if not self._allocate(state):
             return  # no free KV yet: try again next step
-        state.endpoint = prefill.endpoint
+        state.endpoint, state.session = prefill.endpoint, prefill.session
         info = TransferInfo(room, self.endpoint, self.agent_name, state.pages, state.aux_index)
         self.send(prefill.endpoint, info.frames())
         state.state = KVPoll.WaitingForInput
