@@ -47,7 +47,7 @@ def _target(backend: str, to_initiator: mp.Queue, from_initiator: mp.Queue) -> N
 
     engine = create(backend, f"bench-target-{os.getpid()}", "127.0.0.1", None)
     buffer = torch.zeros(TRANSFER_BYTES, dtype=torch.uint8)
-    engine.register([(buffer.data_ptr(), TRANSFER_BYTES)])
+    engine.register([(buffer.data_ptr(), TRANSFER_BYTES, "DRAM")])
     to_initiator.put((engine.metadata(), buffer.data_ptr()))
     from_initiator.get()  # the initiator is done
     to_initiator.put(hashlib.blake2b(buffer.numpy().tobytes(), digest_size=8).hexdigest())
@@ -64,7 +64,7 @@ def transfer_speed(backend: str, segment_bytes: int, repeats: int = 5) -> dict:
     try:
         engine = create(backend, f"bench-initiator-{os.getpid()}", "127.0.0.1", None)
         source = torch.randint(0, 256, (TRANSFER_BYTES,), dtype=torch.uint8)
-        engine.register([(source.data_ptr(), TRANSFER_BYTES)])
+        engine.register([(source.data_ptr(), TRANSFER_BYTES, "DRAM")])
         metadata, remote = to_initiator.get(timeout=120)
         peer = engine.add_peer(metadata)
         segments = [(source.data_ptr() + o, remote + o, segment_bytes)

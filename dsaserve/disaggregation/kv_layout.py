@@ -28,13 +28,19 @@ def describe(pool: KVPool, mtp: bool, aux: torch.Tensor) -> dict:
         "index_entry_bytes": index.shape[2] * index.element_size(),
         "slots": kv.shape[1], "page_size": pool.page_size, "dtype": str(kv.dtype),
         "mtp": mtp, "aux_ptr": aux.data_ptr(), "aux_item_bytes": aux.shape[1],
+        "kv_kind": memory_kind(kv),
     }  # fmt: skip
 
 
-def regions(pool: KVPool, aux: torch.Tensor) -> list[tuple[int, int]]:
-    """(address, bytes) of every buffer to register with the transfer engine."""
+def memory_kind(tensor: torch.Tensor) -> str:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+def regions(pool: KVPool, aux: torch.Tensor) -> list[tuple[int, int, str]]:
+    """(address, bytes, memory kind) of every buffer to register with the transfer engine."""
     tensors = [pool.kv_cache, pool.index_cache, aux]
-    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    return [(t.data_ptr(), t.numel() * t.element_size(), memory_kind(t))
+            for t in tensors if t.numel()]  # fmt: skip
 
 
 def mismatch(mine: dict, theirs: dict) -> str | None:

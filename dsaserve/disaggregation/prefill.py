@@ -26,7 +26,7 @@ from dsaserve.disaggregation.protocol import (
     parse_to_prefill,
 )
 from dsaserve.disaggregation.transfer import TransferError
-from dsaserve.disaggregation.transfer.base import fault_delay
+from dsaserve.disaggregation.transfer.base import HOST, fault_delay
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
@@ -249,10 +249,11 @@ class PrefillEngine(RoleEngine):
         tail = [kv_layout.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
+        kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
         delay = fault_delay()
-        if delay:  # the fault tests kill the prefill in this pause
-            self.transfer.write(peer.handle, segments, b"")
-            time.sleep(delay)
+        if kinds != HOST or delay:  # KV and aux in separate writes (one memory kind per write)
+            self.transfer.write(peer.handle, segments, b"", kinds)
+            time.sleep(delay)  # the fault tests kill the prefill in this pause
             segments = []
         self.transfer.write(peer.handle, segments + tail, str(room).encode())
         seconds = time.monotonic() - started

@@ -14,6 +14,8 @@ import os
 from abc import ABC, abstractmethod
 
 Segment = tuple[int, int, int]  # (local address, remote address, bytes)
+Kinds = tuple[str, str]  # memory kinds of the local and remote side: "DRAM" (host) or "VRAM"
+HOST: Kinds = ("DRAM", "DRAM")
 
 BACKENDS = {
     "nixl": "dsaserve.disaggregation.transfer.nixl:NixlEngine",
@@ -51,7 +53,8 @@ class TransferEngine(ABC):
     notifies: bool = False
 
     @abstractmethod
-    def register(self, regions: list[tuple[int, int]]) -> None: ...
+    def register(self, regions: list[tuple[int, int, str]]) -> None:
+        """Register (address, bytes, kind) regions; kind "DRAM" (host) or "VRAM" (GPU)."""
 
     @abstractmethod
     def metadata(self) -> bytes:
@@ -62,13 +65,13 @@ class TransferEngine(ABC):
         """Connect to a peer; return its handle for `write`."""
 
     @abstractmethod
-    def _write(self, peer: str, segments: list[Segment], tag: bytes) -> None: ...
+    def _write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds) -> None: ...
 
-    def write(self, peer: str, segments: list[Segment], tag: bytes) -> None:
+    def write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds = HOST) -> None:
         if fault_mode() == "transfer":
             raise TransferError("fault injection: the transfer engine is broken on purpose")
         if segments:
-            self._write(peer, segments, tag)
+            self._write(peer, segments, tag, kinds)
 
     def notifications(self) -> list[bytes]:
         return []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
-from dsaserve.disaggregation.transfer.base import Segment, TransferEngine, TransferError
+from dsaserve.disaggregation.transfer.base import Kinds, Segment, TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,8 @@ class MooncakeEngine(TransferEngine):
             raise RuntimeError(f"Mooncake failed to initialise ({self.protocol}): code {code}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
 
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        for address, size in regions:
+    def register(self, regions: list[tuple[int, int, str]]) -> None:
+        for address, size, _kind in regions:
             if self.engine.register_memory(address, size) != 0:
                 raise RuntimeError(f"Mooncake could not register {size} bytes at {address:#x}")
 
@@ -59,7 +59,7 @@ class MooncakeEngine(TransferEngine):
     def add_peer(self, metadata: bytes) -> str:
         return metadata.decode()
 
-    def _write(self, peer: str, segments: list[Segment], tag: bytes) -> None:
+    def _write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds) -> None:
         srcs, dsts, lens = (list(column) for column in zip(*segments))
         code = self.engine.batch_transfer_sync_write(peer, srcs, dsts, lens)
         if code < 0:

@@ -11,8 +11,9 @@ import importlib
 import time
 
 import numpy as np
+import torch
 
-from dsaserve.disaggregation.transfer.base import Segment, TransferEngine, TransferError
+from dsaserve.disaggregation.transfer.base import Kinds, Segment, TransferEngine, TransferError
 
 WRITE_TIMEOUT_S = 60.0
 MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
@@ -31,6 +32,14 @@ def _api():
     )
 
 
+def _descs(segments: list[Segment], column: int, kind: str) -> np.ndarray:
+    """[address, bytes, device id] rows (device 0 on the host; the current GPU for VRAM)."""
+    table = np.asarray(segments, dtype=np.uint64)
+    device = torch.cuda.current_device() if kind == "VRAM" else 0
+    ids = np.full((len(segments), 1), device, dtype=np.uint64)
+    return np.ascontiguousarray(np.hstack([table[:, [column, 2]], ids]))
+
+
 class NixlEngine(TransferEngine):
     name = "nixl"
     notifies = True
@@ -42,9 +51,10 @@ class NixlEngine(TransferEngine):
         self.registered: list = []
         self.pending: list[bytes] = []
 
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        for address, size in regions:
-            self.registered.append(self.agent.register_memory([(address, size, 0, "")], "DRAM"))
+    def register(self, regions: list[tuple[int, int, str]]) -> None:
+        for address, size, kind in regions:
+            device = torch.cuda.current_device() if kind == "VRAM" else 0
+            self.registered.append(self.agent.register_memory([(address, size, device, "")], kind))
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -59,15 +69,9 @@ class NixlEngine(TransferEngine):
         except Exception:  # already gone
             pass
 
-    def _write(self, peer: str, segments: list[Segment], tag: bytes) -> None:
-        table = np.asarray(segments, dtype=np.uint64)
-        zeros = np.zeros((len(segments), 1), dtype=np.uint64)
-        local = self.agent.get_xfer_descs(
-            np.ascontiguousarray(np.hstack([table[:, [0, 2]], zeros])), "DRAM"
-        )
-        remote = self.agent.get_xfer_descs(
-            np.ascontiguousarray(np.hstack([table[:, [1, 2]], zeros])), "DRAM"
-        )
+    def _write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds) -> None:
+        local = self.agent.get_xfer_descs(_descs(segments, 0, kinds[0]), kinds[0])
+        remote = self.agent.get_xfer_descs(_descs(segments, 1, kinds[1]), kinds[1])
         try:
             handle = self.agent.initialize_xfer("WRITE", local, remote, peer, tag)
         except Exception as e:
