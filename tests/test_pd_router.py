@@ -76,7 +76,7 @@ def expected(servers: dict) -> list:
 
 
 def _answers(base: str) -> list:
-    """Chat (plain and streamed), completions and /generate, all greedy."""
+    """Chat (plain, streamed, with logprobs), completions and /generate, all greedy."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     out = []
     for prompt in PROMPTS:
@@ -97,6 +97,24 @@ def _answers(base: str) -> list:
             model="pd", prompt=prompt, max_tokens=12, temperature=0
         )
         out.append(completion.choices[0].text)
+        scored = client.chat.completions.create(
+            model="pd",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )  # the first token's logprob comes from the prefill's aux record
+        out.append(
+            [
+                (
+                    t.token,
+                    round(t.logprob, 3),
+                    [(a.token, round(a.logprob, 3)) for a in t.top_logprobs],
+                )
+                for t in scored.choices[0].logprobs.content
+            ]
+        )
         native = httpx.post(base + "/generate", timeout=120, json={
             "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
         }).json()  # fmt: skip
@@ -126,7 +144,7 @@ def test_one_prefill_one_decode_matches_colocated(
         assert _answers(router.url) == expected
     after = stats(decode.url)
     rooms = after["pd_rooms_ok"] - before["pd_rooms_ok"]
-    assert rooms == 4 * len(PROMPTS)
+    assert rooms == 5 * len(PROMPTS)
     assert after["pd_checksum_mismatches"] == 0
     layers = after["pd_checksum_layers_ok"] - before["pd_checksum_layers_ok"]
     assert layers == rooms * _layers_per_room(checkpoint)
@@ -145,7 +163,7 @@ def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected:
         assert _answers(router.url) == expected
     after = [stats(d.url)["pd_rooms_ok"] for d in decodes]
     assert all(a > b for a, b in zip(after, before)), "both decodes served rooms"
-    assert sum(after) - sum(before) == 4 * len(PROMPTS)
+    assert sum(after) - sum(before) == 5 * len(PROMPTS)
     for server in (prefill, *decodes):
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
