@@ -97,6 +97,9 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_ib_device: str | None = None
+    disaggregation_timeout: float = 300.0
+    disaggregation_heartbeat_interval: float = 5.0
+    disaggregation_checksum: bool = False
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> ServerArgs:
@@ -159,6 +162,9 @@ def _check(args: ServerArgs) -> None:
         raise ArgsError("--cp-strategy interleave does not support DP attention: use --dp 1")
     if args.enable_prefill_cp and args.disaggregation_mode == "decode":
         raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
+    for name in ("disaggregation_timeout", "disaggregation_heartbeat_interval"):
+        if getattr(args, name) <= 0:
+            raise ArgsError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
     if args.speculative_algorithm in (None, "EAGLE", "NEXTN"):
         speculative_settings(args)  # other algorithms parse (SGLang's names) and fail at start
 
@@ -215,8 +221,14 @@ def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     for name, flag in features.items():
         if getattr(args, name):
             raise ArgsError(f"{flag} is not available in this build yet; drop the flag")
-    if args.disaggregation_mode != "null":
-        raise ArgsError("--disaggregation-mode is not available in this build yet; drop the flag")
+    if args.disaggregation_mode != "null" and args.disaggregation_transfer_backend not in (
+        "nixl",
+        "mooncake",
+    ):
+        raise ArgsError(
+            f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend} is not "
+            "available; use nixl or mooncake"
+        )
     if args.kv_cache_dtype.startswith("fp8") and device_type == "cpu":
         raise ArgsError("--kv-cache-dtype fp8_e4m3 needs a GPU; use auto or bf16 on CPU")
 
@@ -301,3 +313,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "mooncake_tcp", "fake"])
     f("--disaggregation-bootstrap-port", type=int)
     f("--disaggregation-ib-device")
+    f("--disaggregation-timeout", type=float, help="seconds a room may wait for its KV")
+    f("--disaggregation-heartbeat-interval", type=float, help="seconds between heartbeats")
+    f("--disaggregation-checksum", **on, help="debug: check every layer's KV per room")

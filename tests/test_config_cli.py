@@ -101,7 +101,10 @@ def test_cli_version_and_help():
     [
         (["--tp", "8"], "--tp-size 8"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
-        (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
+        (
+            ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"],
+            "--disaggregation-transfer-backend fake",
+        ),
         (["--kv-cache-dtype", "fp8_e4m3"], "needs a GPU"),
     ],
 )

@@ -174,7 +174,7 @@ def test_options_come_from_the_planner_tables(api: TestClient):
     assert [r["name"] for r in options["rules"]] == [r.name for r in RULES]
     assert options["defaults"] == dataclasses.asdict(PlanRequest())
     choices = options["choices"]
-    assert choices["pd_transfer_backend"] == ["mooncake", "nixl"]
+    assert choices["pd_transfer_backend"] == ["auto", "mooncake", "nixl"]
     assert "write_back" in choices["hicache_write_policy"] and "dflash2" in choices["speculative"]
 
 

@@ -90,7 +90,8 @@ def test_refusal_json(capsys):
 def test_router_role(capsys):
     assert main(["--pd", "router"]) == 0
     out = capsys.readouterr().out
-    assert "dsaserve router --pd-disaggregation" in out and not serve_lines(out)
+    assert "python -m sglang_router.launch_router --pd-disaggregation" in out
+    assert not serve_lines(out)
 
 
 @pytest.mark.parametrize(

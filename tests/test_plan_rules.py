@@ -92,7 +92,9 @@ APPLIES: list[tuple[str, PlanRequest, Callable[[Plan], bool]]] = [
     ("pd-disaggregation", R(pd="decode", pd_transfer_backend="nixl"),
      lambda p: serve_args(p).disaggregation_mode == "decode"
      and serve_args(p).disaggregation_transfer_backend == "nixl"
-     and p.commands[-1].dsaserve.startswith("dsaserve router --pd-disaggregation --prefill ")),
+     and serve_args(p).disaggregation_bootstrap_port == 8998
+     and p.commands[-1].dsaserve.startswith(
+         "python -m sglang_router.launch_router --pd-disaggregation --prefill ")),
     ("hicache", R(hicache=True, hicache_write_policy="write_back"),
      lambda p: serve_args(p).enable_hierarchical_cache and serve_args(p).hicache_ratio == 2
      and serve_args(p).hicache_write_policy == "write_back"
@@ -227,9 +229,10 @@ def test_router_role_prints_only_the_router():
     p = plan(R(pd="router", port=31000))
     assert [c.role for c in p.commands] == ["router"]
     router = p.commands[0]
-    assert router.dsaserve.split()[:3] == ["dsaserve", "router", "--pd-disaggregation"]
-    assert "http://${PREFILL_HOST}:31000" in router.dsaserve
+    # no `dsaserve router`: the real sglang-router fronts both stacks, the bootstrap port given
+    assert router.dsaserve == router.sglang
     assert router.sglang.startswith("python -m sglang_router.launch_router --pd-disaggregation")
+    assert "--prefill http://${PREFILL_HOST}:31000 8998 --decode" in router.dsaserve
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--recipe", default="low-latency", choices=layout.RECIPES)
     a("--nodes", type=int, help="nodes (default: the fewest that fit, trying 1, 2, 4)")
     a("--pd", choices=layout.PD_ROLES, help="PD disaggregation role to plan")
-    a("--pd-transfer-backend", default="mooncake", choices=layout.PD_TRANSFER_BACKENDS,
+    a("--pd-transfer-backend", default="auto", choices=layout.PD_TRANSFER_BACKENDS,
       help="KV transfer engine of a PD worker")  # fmt: skip
     a("--hicache", action="store_true", help="add a host-memory KV tier (HiCache)")
     a("--hicache-write-policy", default="write_through", choices=layout.HICACHE_WRITE_POLICIES)

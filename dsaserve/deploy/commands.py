@@ -19,12 +19,13 @@ FLAG_ORDER = [
     "--watchdog-timeout", "--enable-hierarchical-cache", "--hicache-ratio",
     "--hicache-write-policy", "--hicache-storage-backend",
     "--disaggregation-mode", "--disaggregation-transfer-backend",
-    "--device", "--nnodes", "--node-rank", "--dist-init-addr",
+    "--disaggregation-bootstrap-port", "--device", "--nnodes", "--node-rank", "--dist-init-addr",
     "--host", "--port",
 ]  # fmt: skip
 _PLAIN = re.compile(r"[\w@%+=:,./${}-]+")  # left unquoted, so ${VAR} stays expandable
 DIST_INIT_PORT = 5000
 ROUTER_PORT = 8000
+BOOTSTRAP_PORT = 8998  # SGLang's default --disaggregation-bootstrap-port
 
 
 class Command(NamedTuple):
@@ -92,14 +93,14 @@ def serve_commands(lay: Layout) -> list[Command]:
 
 
 def router_command(port: int) -> Command:
-    """The PD router in front of one prefill and one decode worker (hosts as shell variables)."""
+    """sglang-router in PD mode in front of one prefill (with its bootstrap port) and one decode
+    (hosts as shell variables). dsaserve ships no router of its own: the same command fronts
+    dsaserve and SGLang workers."""
     args = [
         "--pd-disaggregation",
-        "--prefill", f"http://${{PREFILL_HOST}}:{port}",
+        "--prefill", f"http://${{PREFILL_HOST}}:{port}", str(BOOTSTRAP_PORT),
         "--decode", f"http://${{DECODE_HOST}}:{port}",
         "--host", "0.0.0.0", "--port", str(ROUTER_PORT),
     ]  # fmt: skip
-    text = shell_join(args)
-    return Command(
-        "router", 0, f"dsaserve router {text}", f"python -m sglang_router.launch_router {text}"
-    )
+    text = f"python -m sglang_router.launch_router {shell_join(args)}"
+    return Command("router", 0, text, text)

@@ -16,7 +16,7 @@ SPECULATIVE = ("auto", "mtp", "none", "dflash2")
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3")
 CP_STRATEGIES = ("interleave", "zigzag")
 DP_ATTENTION = ("auto", "on", "off")  # auto: as the recipe says
-PD_TRANSFER_BACKENDS = ("mooncake", "nixl")
+PD_TRANSFER_BACKENDS = ("auto", "mooncake", "nixl")  # auto: NIXL on CPU, Mooncake on GPUs
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_STORAGE = ("file", "mooncake", "hf3fs", "nixl")
 
@@ -39,7 +39,7 @@ class PlanRequest:
     recipe: str = "low-latency"
     nodes: int | None = None
     pd: str | None = None
-    pd_transfer_backend: str = "mooncake"
+    pd_transfer_backend: str = "auto"
     hicache: bool = False
     hicache_write_policy: str = "write_through"
     hicache_storage: str | None = None

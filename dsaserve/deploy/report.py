@@ -17,7 +17,8 @@ def _gib(n: int) -> str:
 def render_plan(p: Plan) -> str:
     lines = [_headline(p), ""]
     for c in p.commands:
-        lines += [_label(p, c), c.dsaserve, "# the same line for SGLang:", c.sglang, ""]
+        same = [] if c.sglang == c.dsaserve else ["# the same line for SGLang:", c.sglang]
+        lines += [_label(p, c), c.dsaserve, *same, ""]
     if p.memory:
         lines += _render_memory(p.memory) + [""]
     if p.rules:

@@ -6,6 +6,7 @@ roles, memory fraction); the fit checks that follow are in `dsaserve.deploy.chec
 
 from __future__ import annotations
 
+from dsaserve.deploy.commands import BOOTSTRAP_PORT
 from dsaserve.deploy.layout import Layout, Speculative
 from dsaserve.deploy.registry import Refuse, RuleList
 
@@ -272,17 +273,20 @@ def _hopper_fp8_kv(lay: Layout) -> str | None:
 
 @rule(
     "pd-disaggregation",
-    "PD: prefill and decode workers behind `dsaserve router`; KV moves by "
-    "--disaggregation-transfer-backend (mooncake or nixl).",
+    "PD: prefill and decode workers behind sglang-router; KV moves by "
+    "--disaggregation-transfer-backend (mooncake or nixl); the prefill's bootstrap server on 8998.",
 )
 def _pd(lay: Layout) -> str | None:
     role = lay.request.pd
     if role not in ("prefill", "decode"):
         return None
     backend = lay.request.pd_transfer_backend
+    if backend == "auto":
+        backend = "nixl" if lay.hardware.is_cpu else "mooncake"
     lay.flags["--disaggregation-mode"] = role
     lay.flags["--disaggregation-transfer-backend"] = backend
-    return f"{role} worker, {backend}"
+    lay.flags["--disaggregation-bootstrap-port"] = str(BOOTSTRAP_PORT)
+    return f"{role} worker, KV over {backend}"
 
 
 @rule(

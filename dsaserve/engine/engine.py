@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,6 +53,8 @@ class Engine:
         self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
         self.sampler = Sampler(seed=args.random_seed)
         self.reqs: dict[str, Req] = {}
+        # disaggregation's hook: called on each finished request before its KV is released
+        self.before_release: Callable[[Req], None] | None = None
         self.stats_counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
 
     def _init_config(self) -> None:
@@ -104,6 +107,14 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> None:
         """Queue one completion. Raises ValueError (naming the field) for input it cannot serve;
         nothing is left behind when it raises."""
+        self.enqueue(self.make_req(request))
+
+    def enqueue(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+        self.scheduler.add(req)
+
+    def make_req(self, request: GenerateRequest) -> Req:
+        """A checked `Req` for `request`, not yet queued (ValueError naming the field)."""
         self._check_request(request)
         params = _sampling_params(request.sampling).with_defaults(self.generation_defaults)
         self._check_params(params)
@@ -114,9 +125,19 @@ class Engine:
             self.tokenizer, request.input_ids, params.stop, params.skip_special_tokens,
             params.no_stop_trim,
         )  # fmt: skip
-        req = Req(request.rid, list(request.input_ids), params, state, detok, request.stream)
+        return Req(request.rid, list(request.input_ids), params, state, detok, request.stream)
+
+    def adopt(
+        self, req: Req, pages: list[int], first: int, logprob: TokenLogprob | None
+    ) -> list[RequestOutput]:
+        """Start `req` decoding from KV computed elsewhere: `pages` hold its whole prompt and
+        `first` is the token sampled after it (prefill/decode disaggregation)."""
+        req.pages, req.kv_len, req.cached_tokens = list(pages), len(req.prompt_ids), 0
+        req.slots = self.scheduler._page_slots(req.pages)
         self.reqs[req.rid] = req
-        self.scheduler.add(req)
+        self.scheduler.running.append(req)
+        self._append(req, first, logprob)
+        return self._collect([req]) if req.finished or req.stream else []
 
     def _check_request(self, request: GenerateRequest) -> None:
         if request.rid in self.reqs:
@@ -223,6 +244,8 @@ class Engine:
         outputs = []
         for req in dict.fromkeys(reqs):
             if req.finished:
+                if self.before_release is not None:
+                    self.before_release(req)
                 self.scheduler.finish(req)
                 self.reqs.pop(req.rid, None)
                 outputs.append(req.take_output())

@@ -9,12 +9,22 @@ from __future__ import annotations
 import msgspec
 
 
+class Bootstrap(msgspec.Struct, kw_only=True):
+    """Where a disaggregated request's KV comes from (prefill/decode roles): SGLang's
+    `bootstrap_host`, `bootstrap_port` (the prefill's bootstrap server) and `bootstrap_room`."""
+
+    host: str
+    port: int
+    room: int
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
     rid: str
     input_ids: list[int]
     # SamplingParams as a dict (dataclasses.asdict); the engine rebuilds and fills defaults.
     sampling: dict
     stream: bool = True
+    bootstrap: Bootstrap | None = None  # set only on --disaggregation-mode prefill|decode
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):

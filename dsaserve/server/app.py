@@ -104,7 +104,8 @@ def _add_generation_routes(route: Callable) -> None:
 
 
 def _add_admin_routes(route: Callable, state: ServerState) -> None:
-    """Models, health, info, cache, abort and metrics."""
+    """Models, health, info, load, cache, abort and metrics."""
+    app_route_alias = lambda path, handler: route(path, ["GET"], gate=False)(handler)  # noqa: E731
 
     @route("/v1/models", ["GET"], gate=False)
     async def models(state: ServerState, request: Request) -> Any:
@@ -131,7 +132,24 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     async def model_info(state: ServerState, request: Request) -> Any:
         tm = state.tokenizer_manager
         return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path,
-                "is_generation": True, "context_length": tm.context_length}  # fmt: skip
+                "served_model_name": tm.model_name if tm else None,
+                "is_generation": True, "context_length": tm.context_length if tm else None,
+                "model_type": "glm_moe_dsa"}  # fmt: skip
+
+    # the names sglang-router asks for first (it falls back to the get_ ones)
+    app_route_alias("/server_info", server_info)
+    app_route_alias("/model_info", model_info)
+
+    @route("/get_load", ["GET"], gate=False)
+    async def get_load(state: ServerState, request: Request) -> Any:
+        """SGLang's load report (sglang-router's power_of_two reads num_tokens)."""
+        stats = {}
+        if state.engine is not None and state.engine.dead is None and state.ready:
+            stats = await state.engine.control("stats")
+        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
+        rooms = stats.get("pd_rooms_active", 0)
+        return [{"dp_rank": 0, "num_reqs": running + waiting + rooms, "num_waiting_reqs": waiting,
+                 "num_tokens": stats.get("kv_used_tokens", 0)}]  # fmt: skip
 
     @route("/flush_cache", ["GET", "POST"])
     async def flush_cache(state: ServerState, request: Request) -> Any:
@@ -278,6 +296,7 @@ async def _server_info(state: ServerState) -> dict:
     tm = state.tokenizer_manager
     return {
         **dataclasses.asdict(state.args), "api_key": "***" if state.args.api_key else None,
+        "served_model_name": tm.model_name if tm else state.args.served_model_name,
         "version": __version__,
         "engine_pid": state.engine_info.get("pid"),
         "context_length": tm.context_length if tm else None,

@@ -42,6 +42,8 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
     outbox.connect(paths.from_engine)
     try:
         engine = build_engine(args)
+        if args.disaggregation_mode != "null":
+            engine = _disaggregated(engine, args, outbox)
     except Exception as e:  # report, do not hang the API process
         outbox.send(ipc.encode(ipc.Fatal(f"engine failed to start: {type(e).__name__}: {e}")))
         traceback.print_exc()
@@ -49,6 +51,8 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
         sys.exit(1)
     outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
+    if hasattr(engine, "close"):  # a disaggregation role: sockets, bootstrap server, agent
+        engine.close()
     outbox.close(linger=2000)
     inbox.close(linger=0)
     sys.exit(code)
@@ -65,6 +69,16 @@ def build_engine(args: ServerArgs) -> Any:
 
     engine = Engine(args)
     return ScriptedEngine(args, scripts, real=engine) if scripts else engine
+
+
+def _disaggregated(engine: Any, args: ServerArgs, outbox: Any) -> Any:
+    """The engine behind its prefill or decode role (KV moved to or from the other role)."""
+    from dsaserve.disaggregation.roles import wrap
+
+    def reject(rids: list[str], message: str, status: int) -> None:
+        outbox.send(ipc.encode(ipc.Rejected(rids, message, status=status)))
+
+    return wrap(engine, args, reject)
 
 
 def engine_info(engine: Any) -> dict:

@@ -104,6 +104,8 @@ RepetitionPenalty = Annotated[float, Field(gt=0, le=100), _PLAIN_NUMBER]
 AnthropicTemperature = Annotated[float, Field(ge=0, le=2), _PLAIN_NUMBER]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), _PLAIN_INT]
 Positive = Annotated[int, Field(gt=0, le=INT32_MAX), _PLAIN_INT]
+RoomId = Annotated[int, Field(ge=0, le=INT64_MAX), _PLAIN_INT]  # sglang-router: < 2^63
+PortNumber = Annotated[int, Field(ge=0, le=65535), _PLAIN_INT]
 Bool = StrictBool
 
 

@@ -24,8 +24,10 @@ from dsaserve.server.fields import (
     N,
     Name,
     Penalty,
+    PortNumber,
     RepetitionPenalty,
     Rid,
+    RoomId,
     Stop,
     StopTokenIds,
     Strict,
@@ -101,7 +103,15 @@ class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"] = "text"
 
 
-class SamplingFields(Strict):
+class BootstrapFields(Strict):
+    """What sglang-router adds in PD mode (see dsaserve/disaggregation/request_fields.py)."""
+
+    bootstrap_host: Name | bounded_list(Name | None, MAX_LIST_PROMPTS) | None = None
+    bootstrap_port: PortNumber | bounded_list(PortNumber | None, MAX_LIST_PROMPTS) | None = None
+    bootstrap_room: RoomId | bounded_list(RoomId, MAX_LIST_PROMPTS) | None = None
+
+
+class SamplingFields(BootstrapFields):
     """Fields shared by chat and completions."""
 
     model: str | None = None
@@ -191,7 +201,7 @@ class NativeSamplingParams(Strict):
         return fields
 
 
-class GenerateRequestIn(Strict):
+class GenerateRequestIn(BootstrapFields):
     """SGLang's native `/generate` body."""
 
     text: str | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dsaserve.disaggregation.request_fields import attach_bootstrap
 from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import ChatChoice, fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import ChatCompletionRequest
@@ -69,6 +70,7 @@ def prepare_chat(
 async def chat_completions(state: ServerState, req: ChatCompletionRequest, raw: Request) -> Any:
     prepared = await asyncio.to_thread(prepare_chat, state, req)  # keep the HTTP loop free
     requests = state.tokenizer_manager.make_requests(prepared.input_ids, prepared.sampling, req.rid)
+    attach_bootstrap(state.args, req, requests)
     streams = await state.engine.submit(requests)
     choices = [ChatChoice.create(prepared, req.separate_reasoning) for _ in requests]
     model = req.model or state.tokenizer_manager.model_name

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from dsaserve.disaggregation.request_fields import attach_bootstrap
 from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import CompletionRequest, GenerateRequestIn
@@ -57,6 +58,7 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
     tm = state.tokenizer_manager
     requests, prompt_ids, base = await asyncio.to_thread(_prepare_completions, state, req)
     model = req.model or tm.model_name
+    attach_bootstrap(state.args, req, requests)
     streams = await state.engine.submit(requests)
     if req.stream:
         primed = await unless_disconnected(raw, first_outputs(streams))
@@ -149,7 +151,9 @@ def _prepare_generate(state: ServerState, req: GenerateRequestIn) -> list:
         fields["logprobs"] = req.top_logprobs_num
     max_tokens = fields.pop("max_tokens")
     room = tm.fit_max_tokens(len(ids), max_tokens, "sampling_params.max_new_tokens", param)
-    return tm.make_requests(ids, tm.sampling(fields, room), req.rid)
+    requests = tm.make_requests(ids, tm.sampling(fields, room), req.rid)
+    attach_bootstrap(state.args, req, requests)
+    return requests
 
 
 async def generate(state: ServerState, req: GenerateRequestIn, raw: Request) -> Any:

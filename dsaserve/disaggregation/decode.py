@@ -1,0 +1,213 @@
+"""The decode role: for each request, find its prefill through the bootstrap server, preallocate
+the prompt's KV pages and an aux slot, send their indices for the room, and start decoding once the
+prefill reports Success (and, with NIXL, its write notification arrived): the first token and its
+logprob come from the aux record, the rest is ordinary decoding (EAGLE included).
+
+A room fails, with its pages and aux slot freed at once, when the prefill reports Failed, the
+heartbeat loses the prefill, the checksums differ, or `--disaggregation-timeout` passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsaserve.args import ServerArgs
+from dsaserve.disaggregation import aux, kv_layout
+from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
+from dsaserve.disaggregation.directory import PrefillDirectory
+from dsaserve.disaggregation.protocol import Abort, KVPoll, Registration, Status, TransferInfo
+from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.request import Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Room:
+    req: Req
+    address: str  # the prefill's bootstrap host:port
+    since: float
+    state: KVPoll = KVPoll.Bootstrapping
+    endpoint: str | None = None  # the prefill rank's ZMQ endpoint
+    session: str | None = None  # the prefill's session the destination was sent to
+    pages: list[int] = field(default_factory=list)
+    aux_index: int | None = None
+    detail: dict | None = None  # the Success status, waiting for its notification
+
+
+class DecodeEngine(RoleEngine):
+    role = "decode"
+
+    def __init__(self, engine: Any, args: ServerArgs, reject: Reject) -> None:
+        slots = 2 * max(engine.scheduler.config.max_running_requests, 16)
+        super().__init__(engine, args, reject, aux_slots=slots)
+        self.slots = aux.SlotPool(slots)
+        self.directory = PrefillDirectory(args.disaggregation_heartbeat_interval)
+        self.rooms: dict[int, Room] = {}
+        self.room_of: dict[str, int] = {}
+        self.registered: dict[str, str | None] = {}  # prefill endpoint -> session registered
+        self.notified: set[int] = set()
+        logger.info("decode: KV over %s, receiving at %s", self.transfer.name, self.endpoint)
+
+    def active_rooms(self) -> int:
+        return len(self.rooms)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        boot = request.bootstrap
+        if boot is None:
+            raise ValueError(
+                "bootstrap_room: this server runs --disaggregation-mode decode; send requests "
+                "through sglang-router --pd-disaggregation"
+            )
+        if boot.room in self.rooms:
+            raise ValueError(f"bootstrap_room {boot.room} is already in flight")
+        req = self.engine.make_req(request)
+        address = f"{boot.host}:{boot.port}"
+        self.rooms[boot.room] = Room(req, address, time.monotonic())
+        self.room_of[req.rid] = boot.room
+        self.directory.want(address)
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        room = self.room_of.get(rid)
+        if room is None:
+            return self.engine.abort(rid)
+        state = self._drop(room)
+        self.counters["pd_rooms_aborted"] += 1
+        if state.endpoint is not None:
+            self.send(state.endpoint, Abort(room, self.endpoint).frames())
+        return aborted_output(state.req)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or bool(self.rooms)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        busy = self.engine.has_work()
+        for frames in self.receive(0 if busy else 5):
+            self._status(Status.parse(frames))
+        if self.transfer.notifies:
+            self.notified.update(int(tag) for tag in self.transfer.notifications() if tag)
+        outputs: list[RequestOutput] = []
+        for room, state in list(self.rooms.items()):
+            outputs += self._advance(room, state)
+        if self.engine.has_work():
+            outputs += self.engine.step()
+        return outputs
+
+    def _advance(self, room: int, state: Room) -> list[RequestOutput]:
+        timeout = self.args.disaggregation_timeout
+        if state.state == KVPoll.Bootstrapping:
+            self._bootstrap(room, state)
+        elif state.state == KVPoll.Success and self._written(room):
+            return self._finish(room, state)
+        else:
+            prefill = self.directory.get(state.address)
+            if prefill.lost or (prefill.session and prefill.session != state.session):
+                reason = prefill.lost or "the prefill restarted (a new session) during the transfer"
+                return self._fail(room, reason, 503) or []
+        if room in self.rooms and expired(state.since, timeout):
+            self._fail(room, f"the KV of room {room} did not arrive within {timeout}s", 504)
+        return []
+
+    def _written(self, room: int) -> bool:
+        """Whether the write's notification came (NIXL sends one; others need none)."""
+        return not self.transfer.notifies or room in self.notified
+
+    def _bootstrap(self, room: int, state: Room) -> None:
+        prefill = self.directory.get(state.address)
+        if prefill.lost:
+            return self._fail(room, prefill.lost, 503)
+        if prefill.endpoint is None:
+            return
+        if self.registered.get(prefill.endpoint, "") != prefill.session:
+            registration = Registration(
+                self.endpoint, self.agent_name, self.transfer.metadata(), self.layout
+            )
+            self.send(prefill.endpoint, registration.frames())
+            self.registered[prefill.endpoint] = prefill.session
+        if not self._allocate(state):
+            return  # no free KV yet: try again next step
+        state.endpoint, state.session = prefill.endpoint, prefill.session
+        info = TransferInfo(room, self.endpoint, self.agent_name, state.pages, state.aux_index)
+        self.send(prefill.endpoint, info.frames())
+        state.state = KVPoll.WaitingForInput
+
+    def _allocate(self, state: Room) -> bool:
+        pool, cache = self.engine.pool, self.engine.cache
+        need = kv_layout.pages_for(len(state.req.prompt_ids), pool.page_size)
+        if pool.pages.num_free < need:
+            cache.evict(need - pool.pages.num_free)
+        slot = self.slots.take()
+        pages = pool.pages.alloc(need) if slot is not None else None
+        if pages is None:
+            if slot is not None:
+                self.slots.give(slot)
+            return False
+        state.pages, state.aux_index = pages, slot
+        return True
+
+    def _status(self, status: Status) -> None:
+        state = self.rooms.get(status.room)
+        if state is None:
+            return
+        if status.status == KVPoll.Failed:
+            reason = (status.detail or {}).get("reason", "the prefill reported Failed")
+            self._fail(status.room, f"prefill: {reason}", 500)
+        elif status.status == KVPoll.Success:
+            state.state, state.detail = KVPoll.Success, status.detail
+
+    def _finish(self, room: int, state: Room) -> list[RequestOutput]:
+        self.notified.discard(room)
+        detail = state.detail or {}
+        if "checksums" in detail:
+            error = self._verify(state, detail["checksums"])
+            if error:
+                self._fail(room, error, 500)
+                return []
+        token, logprob = aux.unpack(self.aux, state.aux_index)
+        pages = state.pages
+        self.rooms.pop(room)
+        self.room_of.pop(state.req.rid, None)
+        self.slots.give(state.aux_index)
+        self.counters["pd_rooms_ok"] += 1
+        self.counters["pd_bytes"] += int(detail.get("bytes", 0))
+        self.counters["pd_transfer_seconds"] += float(detail.get("seconds", 0.0))
+        return self.engine.adopt(state.req, pages, token, logprob)
+
+    def _verify(self, state: Room, expected: dict) -> str | None:
+        got = kv_layout.checksums(self.engine.pool, state.pages, len(state.req.prompt_ids))
+        bad = [f"{cache}[{i}]" for cache in ("kv", "index")
+               for i, (a, b) in enumerate(zip(got[cache], expected[cache])) if a != b]  # fmt: skip
+        if len(got["kv"]) != len(expected["kv"]) or len(got["index"]) != len(expected["index"]):
+            bad.append("layer count")
+        if bad:
+            self.counters["pd_checksum_mismatches"] += 1
+            return f"KV checksum mismatch for room {state.req.rid}: {', '.join(bad)}"
+        self.counters["pd_checksum_layers_ok"] += len(got["kv"]) + len(got["index"])
+        return None
+
+    def _fail(self, room: int, reason: str, status: int) -> None:
+        state = self._drop(room)
+        logger.warning("room %d failed: %s", room, reason)
+        self.counters["pd_rooms_failed"] += 1
+        if state.endpoint is not None:
+            self.send(state.endpoint, Abort(room, self.endpoint).frames())
+        self.reject([state.req.rid], reason, status)
+
+    def _drop(self, room: int) -> Room:
+        state = self.rooms.pop(room)
+        self.room_of.pop(state.req.rid, None)
+        if state.pages:
+            self.engine.pool.pages.free(state.pages)
+        if state.aux_index is not None:
+            self.slots.give(state.aux_index)
+        self.notified.discard(room)
+        return state
+
+    def close(self) -> None:
+        self.directory.close()
+        super().close()

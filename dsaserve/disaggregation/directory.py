@@ -1,0 +1,95 @@
+"""The decode's view of its prefills: each bootstrap address resolved to the prefill rank's ZMQ
+endpoint (`GET /route`), then watched by a heartbeat (`GET /health` every
+`--disaggregation-heartbeat-interval` seconds; `SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`
+misses, default 2, mark it lost). A lost prefill that answers again is resolved afresh (a restart
+has a new session, so the decode registers again). All network calls run in one thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from dsaserve.disaggregation import bootstrap
+
+ALL_RANKS = (-1, -1, -1, -1)
+FIRST_RANK = (0, 0, 0, 0)
+
+
+@dataclass
+class Prefill:
+    endpoint: str | None = None  # tcp://rank_ip:rank_port once resolved
+    session: str | None = None
+    lost: str | None = None  # why it is considered gone
+    failures: int = 0
+    last_check: float = 0.0
+
+
+class PrefillDirectory:
+    def __init__(self, interval: float, max_failures: int | None = None) -> None:
+        env = os.environ.get("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
+        self.max_failures = max(max_failures or int(env or 2), 1)
+        self.interval = interval
+        self.entries: dict[str, Prefill] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = False
+        threading.Thread(target=self._run, daemon=True, name="pd-directory").start()
+
+    def want(self, address: str) -> None:
+        with self.lock:
+            if address not in self.entries:
+                self.entries[address] = Prefill()
+                self.wake.set()
+
+    def get(self, address: str) -> Prefill:
+        with self.lock:
+            entry = self.entries.get(address) or Prefill()
+            return Prefill(entry.endpoint, entry.session, entry.lost, entry.failures)
+
+    def close(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
+    def _run(self) -> None:
+        while not self.stopped:
+            self.wake.wait(min(self.interval, 0.5))
+            self.wake.clear()
+            with self.lock:
+                addresses = list(self.entries)
+            for address in addresses:
+                self._check(address)
+
+    def _check(self, address: str) -> None:
+        entry = self.entries[address]
+        now = time.monotonic()
+        if entry.endpoint is not None and now - entry.last_check < self.interval:
+            return
+        entry.last_check = now
+        if entry.endpoint is None:
+            return self._resolve(address, entry)
+        if bootstrap.healthy(address):
+            entry.failures = 0
+            return
+        self._missed(entry, f"the prefill's bootstrap server {address} stopped answering")
+
+    def _resolve(self, address: str, entry: Prefill) -> None:
+        try:
+            info = bootstrap.query_route(address, ALL_RANKS)
+            rank = bootstrap.query_route(address, FIRST_RANK)
+        except (OSError, RuntimeError, ValueError) as e:
+            self._missed(entry, f"cannot reach the prefill's bootstrap server {address}: {e}")
+            return
+        with self.lock:
+            entry.endpoint = f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
+            entry.session = info.get("dsaserve_session")
+            entry.lost, entry.failures = None, 0
+
+    def _missed(self, entry: Prefill, reason: str) -> None:
+        with self.lock:
+            entry.failures += 1
+            if entry.failures >= self.max_failures:
+                entry.lost = reason
+                entry.endpoint = None  # resolve again if it comes back

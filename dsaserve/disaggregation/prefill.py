@@ -1,0 +1,269 @@
+"""The prefill role: hold each request until its decode sends KV destinations, run the prompt
+(and sample the first token), write every layer's KV, indexer keys, MTP entries and the aux
+record into the decode's memory, then report the room's status.
+
+Departures from SGLang, on purpose: the write runs in the engine loop right after the forward (one
+synchronous transfer per room, before the pages go back to the radix cache), not in a pool of
+sender threads; the per-room checksum (`--disaggregation-checksum`) is ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dsaserve.args import ServerArgs
+from dsaserve.disaggregation import aux, bootstrap, kv_layout
+from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
+from dsaserve.disaggregation.protocol import (
+    Abort,
+    KVPoll,
+    Registration,
+    Status,
+    TransferInfo,
+    parse_to_prefill,
+)
+from dsaserve.disaggregation.transfer import TransferError
+from dsaserve.disaggregation.transfer.base import HOST, fault_delay
+from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.request import Req
+
+logger = logging.getLogger(__name__)
+FAILED_MEMORY_S = 600.0
+
+
+@dataclass
+class Peer:
+    handle: str | None
+    layout: dict
+    error: str | None
+
+
+@dataclass
+class Room:
+    req: Req
+    since: float
+    state: KVPoll = KVPoll.Bootstrapping
+
+
+class PrefillEngine(RoleEngine):
+    role = "prefill"
+
+    def __init__(self, engine: Any, args: ServerArgs, reject: Reject) -> None:
+        super().__init__(engine, args, reject, aux_slots=1)
+        engine.before_release = self._on_release
+        self.peers: dict[str, Peer] = {}
+        self.rooms: dict[int, Room] = {}
+        self.room_of: dict[str, int] = {}
+        self.infos: dict[int, tuple[TransferInfo, float]] = {}
+        self.failed: dict[int, tuple[str, float]] = {}  # rooms that failed here, for late infos
+        self.transfer_failed: dict[str, str] = {}
+        self.server = bootstrap.BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        bootstrap.register_rank(f"{args.host}:{self.server.port}", self._rank_info())
+        logger.info("prefill: bootstrap server on %s:%d, KV over %s, rank at %s", args.host,
+                    self.server.port, self.transfer.name, self.endpoint)  # fmt: skip
+
+    def _rank_info(self) -> dict:
+        ranks = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+                 "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+                 "system_dp_size": 1, "system_dp_rank": 0}  # fmt: skip
+        return {**ranks, "rank_ip": self.args.host, "rank_port": self.rank_port,
+                "page_size": self.engine.pool.page_size, "kv_cache_dtype": self.layout["dtype"],
+                "prefill_http_port": self.args.port, "dsaserve_session": self.session,
+                "dsaserve_transfer_backend": self.transfer.name}  # fmt: skip
+
+    def active_rooms(self) -> int:
+        return len(self.rooms)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        if request.bootstrap is None:
+            raise ValueError(
+                "bootstrap_room: this server runs --disaggregation-mode prefill; send requests "
+                "through sglang-router --pd-disaggregation"
+            )
+        room = request.bootstrap.room
+        if room in self.rooms:
+            raise ValueError(f"bootstrap_room {room} is already in flight")
+        sampling = {**request.sampling, "max_tokens": 1}  # the decode samples the rest
+        req = self.engine.make_req(GenerateRequest(
+            rid=request.rid, input_ids=request.input_ids, sampling=sampling,
+            stream=request.stream, bootstrap=request.bootstrap,
+        ))  # fmt: skip
+        self.rooms[room] = Room(req, time.monotonic())
+        self.room_of[req.rid] = room
+        if room in self.infos:
+            self._start(room)
+
+    def _start(self, room: int) -> None:
+        state = self.rooms[room]
+        info = self.infos[room][0]
+        peer = self.peers.get(info.endpoint)
+        if peer is None or peer.error:
+            reason = peer.error if peer else f"decode {info.endpoint} never registered"
+            return self._fail(room, reason, 500)
+        state.state = KVPoll.WaitingForInput
+        self.engine.enqueue(state.req)
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        room = self.room_of.get(rid)
+        if room is None:
+            return self.engine.abort(rid)
+        state = self._forget(room, "aborted at the prefill", "pd_rooms_aborted")
+        if state.state == KVPoll.Bootstrapping:
+            return aborted_output(state.req)
+        return self.engine.abort(rid)
+
+    def has_work(self) -> bool:
+        return self.engine.has_work() or bool(self.rooms)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        busy = self.engine.has_work()
+        for frames in self.receive(0 if busy else 5):
+            self._handle(parse_to_prefill(frames))
+        self._expire()
+        if not self.engine.has_work():
+            return []
+        outputs = []
+        for output in self.engine.step():
+            if output.finished and output.rid in self.room_of:
+                self.rooms.pop(self.room_of.pop(output.rid), None)
+            reason = self.transfer_failed.pop(output.rid, None)
+            if reason is not None:
+                self.reject([output.rid], reason, 500)
+            else:
+                outputs.append(output)
+        return outputs
+
+    def _handle(self, message: Registration | TransferInfo | Abort) -> None:
+        if isinstance(message, Registration):
+            self._register(message)
+        elif isinstance(message, TransferInfo):
+            self._transfer_info(message)
+        else:
+            room = self.rooms.get(message.room)
+            if room is not None:
+                self.counters["pd_rooms_aborted"] += 1
+                self.reject([room.req.rid], f"room {message.room} aborted by the decode", 503)
+                self._drop(message.room, room)
+            self.infos.pop(message.room, None)
+
+    def _register(self, message: Registration) -> None:
+        old = self.peers.pop(message.endpoint, None)
+        if old is not None and old.handle:
+            self.transfer.remove_peer(old.handle)
+        error = kv_layout.mismatch(self.layout, message.layout)
+        handle = None
+        if error is None:
+            try:
+                handle = self.transfer.add_peer(message.agent_metadata)
+            except Exception as e:
+                error = f"the {self.transfer.name} transfer engine cannot reach the decode: {e}"
+        if error:
+            logger.error("decode %s cannot receive KV from here: %s", message.endpoint, error)
+        self.peers[message.endpoint] = Peer(handle, message.layout, error)
+
+    def _transfer_info(self, info: TransferInfo) -> None:
+        if info.room in self.failed:
+            status = Status(info.room, KVPoll.Failed, detail={"reason": self.failed[info.room][0]})
+            self.send(info.endpoint, status.frames())
+            return
+        self.infos[info.room] = (info, time.monotonic())
+        room = self.rooms.get(info.room)
+        if room is not None and room.state == KVPoll.Bootstrapping:
+            self._start(info.room)
+
+    def _expire(self) -> None:
+        timeout = self.args.disaggregation_timeout
+        for room, state in list(self.rooms.items()):
+            if state.state == KVPoll.Bootstrapping and expired(state.since, timeout):
+                reason = f"the decode sent no KV destination for room {room} within {timeout}s"
+                self._fail(room, reason, 504)
+        for room, (_, since) in list(self.infos.items()):
+            if room not in self.rooms and expired(since, timeout):
+                del self.infos[room]
+        for room, (_, since) in list(self.failed.items()):
+            if expired(since, FAILED_MEMORY_S):
+                del self.failed[room]
+
+    def _fail(self, room: int, reason: str, status: int) -> None:
+        state = self.rooms.get(room)
+        if state is None:
+            return
+        self.reject([state.req.rid], reason, status)
+        self._drop(room, state)
+        self._forget(room, reason)
+
+    def _drop(self, room: int, state: Room) -> None:
+        if state.state != KVPoll.Bootstrapping:
+            self.engine.abort(state.req.rid)
+        self.rooms.pop(room, None)
+        self.room_of.pop(state.req.rid, None)
+
+    def _forget(self, room: int, reason: str, counter: str = "pd_rooms_failed") -> Room | None:
+        """Drop a room; tell its decode (when known) it failed."""
+        self.counters[counter] += 1
+        self.failed[room] = (reason, time.monotonic())
+        entry = self.infos.pop(room, None)
+        if entry is not None:
+            detail = {"reason": reason}
+            self.send(entry[0].endpoint, Status(room, KVPoll.Failed, detail=detail).frames())
+        state = self.rooms.pop(room, None)
+        if state is not None:
+            self.room_of.pop(state.req.rid, None)
+        return state
+
+    # ---- the transfer (runs inside engine.step, before the pages are released) ------------
+    def _on_release(self, req: Req) -> None:
+        room = self.room_of.get(req.rid)
+        if room is None or (req.finish_reason or {}).get("type") == "abort":
+            return
+        info = self.infos.pop(room)[0]
+        peer = self.peers[info.endpoint]
+        if self.rooms.get(room):
+            self.rooms[room].state = KVPoll.Transferring
+        try:
+            detail = self._write(room, req, info, peer)
+        except (TransferError, ValueError) as e:
+            reason = f"KV transfer of room {room} to {info.endpoint} failed: {e}"
+            logger.error("%s", reason)
+            self.transfer_failed[req.rid] = reason
+            self.infos[room] = (info, time.monotonic())  # so _forget tells the decode
+            self._forget(room, reason)
+            return
+        self.counters["pd_rooms_ok"] += 1
+        self.send(info.endpoint, Status(room, KVPoll.Success, detail=detail).frames())
+
+    def _write(self, room: int, req: Req, info: TransferInfo, peer: Peer) -> dict:
+        prompt_len = len(req.prompt_ids)
+        pages = req.pages[: kv_layout.pages_for(prompt_len, self.engine.pool.page_size)]
+        if len(info.pages) != len(pages):
+            raise ValueError(f"the decode gave {len(info.pages)} pages for {len(pages)}")
+        token = req.output_ids[0]
+        logprob = req.pending_logprobs[0] if req.pending_logprobs else None
+        aux.pack(self.aux, 0, token, logprob)
+        segments = kv_layout.kv_segments(self.layout, peer.layout, pages, info.pages)
+        tail = [kv_layout.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
+        size = sum(s[2] for s in segments + tail)
+        started = time.monotonic()
+        kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
+        delay = fault_delay()
+        if kinds != HOST or delay:  # KV and aux in separate writes (one memory kind per write)
+            self.transfer.write(peer.handle, segments, b"", kinds)
+            time.sleep(delay)  # the fault tests kill the prefill in this pause
+            segments = []
+        self.transfer.write(peer.handle, segments + tail, str(room).encode())
+        seconds = time.monotonic() - started
+        self.counters["pd_bytes"] += size
+        self.counters["pd_transfer_seconds"] += seconds
+        detail: dict = {"bytes": size, "seconds": seconds, "prompt_len": prompt_len}
+        if self.args.disaggregation_checksum:
+            detail["checksums"] = kv_layout.checksums(self.engine.pool, pages, prompt_len)
+        return detail
+
+    def close(self) -> None:
+        self.server.close()
+        super().close()

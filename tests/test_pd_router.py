@@ -1,0 +1,175 @@
+"""Prefill/decode disaggregation behind the real sglang-router, KV moved by NIXL: greedy output
+through 1 prefill + 1 decode (and + 2 decodes) equals one colocated `dsaserve serve` on the same
+checkpoint, EAGLE at the decode, prompts longer than index_topk; the per-room checksums show the
+decode received exactly the bytes the prefill computed for every layer, indexer layer and MTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pd_harness import (
+    free_port,
+    idle,
+    pd_flags,
+    requires_nixl,
+    requires_router,
+    running_router,
+    running_servers,
+    stats,
+    wait_for,
+)
+from server_harness import Server, make_server_checkpoint
+from speculative_models import add_mtp_layer
+
+from dsaserve.model_config import ModelConfig
+from dsaserve.models.dsa_moe import index_cache_ids
+
+pytestmark = [requires_router, requires_nixl]
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
+PROMPTS = [
+    "Write a short poem about the sea, the wind and the old lighthouse keeper who lives there.",
+    "List three facts about volcanoes, and explain why each one matters to people nearby.",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return add_mtp_layer(make_server_checkpoint(tmp_path_factory.mktemp("pd_ckpt")))
+
+
+def mooncake_available() -> bool:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
+    """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
+    port, mooncake_port = free_port(), free_port()
+    names = ["colocated", "prefill", "decode", "decode2"]
+    specs = [
+        (checkpoint, EAGLE, None),
+        (checkpoint, EAGLE + pd_flags("prefill", port), None),
+        (checkpoint, EAGLE + pd_flags("decode", port), None),
+        (checkpoint, EAGLE + pd_flags("decode", port), None),
+    ]
+    if mooncake_available():
+        names += ["mooncake_prefill", "mooncake_decode"]
+        for role in ("prefill", "decode"):
+            flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
+            specs.append((checkpoint, EAGLE + flags, None))
+    with running_servers(specs) as started:
+        yield {**dict(zip(names, started)), "bootstrap_port": port,
+               "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected(servers: dict) -> list:
+    return _answers(servers["colocated"].url)
+
+
+def _answers(base: str) -> list:
+    """Chat (plain, streamed, with logprobs), completions and /generate, all greedy."""
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    out = []
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        reply = client.chat.completions.create(
+            model="pd", messages=messages, max_tokens=12, temperature=0
+        )
+        message = reply.choices[0].message
+        out.append((message.content, (message.model_extra or {}).get("reasoning_content")))
+        assert reply.usage.prompt_tokens > 16  # > index_topk (8) and over one page
+        streamed = client.chat.completions.create(
+            model="pd", messages=messages, max_tokens=12, temperature=0, stream=True
+        )
+        deltas = [c.choices[0].delta for c in streamed if c.choices]
+        out.append("".join((d.content or "") + ((d.model_extra or {}).get("reasoning_content")
+                                                 or "") for d in deltas))  # fmt: skip
+        completion = client.completions.create(
+            model="pd", prompt=prompt, max_tokens=12, temperature=0
+        )
+        out.append(completion.choices[0].text)
+        scored = client.chat.completions.create(
+            model="pd",
+            messages=messages,
+            max_tokens=4,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )  # the first token's logprob comes from the prefill's aux record
+        out.append(
+            [
+                (
+                    t.token,
+                    round(t.logprob, 3),
+                    [(a.token, round(a.logprob, 3)) for a in t.top_logprobs],
+                )
+                for t in scored.choices[0].logprobs.content
+            ]
+        )
+        native = httpx.post(base + "/generate", timeout=120, json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+        }).json()  # fmt: skip
+        out.append(native["output_ids"])
+    return out
+
+
+def _layers_per_room(checkpoint: Path) -> int:
+    config = ModelConfig.from_hf(str(checkpoint), {})
+    return config.num_hidden_layers + 1 + len(index_cache_ids(config, True))  # + the MTP layer
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_one_prefill_one_decode_matches_colocated(
+    servers: dict, expected: list, checkpoint: Path, backend: str
+) -> None:
+    prefix = "" if backend == "nixl" else "mooncake_"
+    if prefix + "prefill" not in servers:
+        pytest.skip("Mooncake does not import here (pip install mooncake-transfer-engine-non-cuda "
+                    "with libibverbs1 libnl-3-200 libnl-route-3-200)")  # fmt: skip
+    prefill, decode = servers[prefix + "prefill"], servers[prefix + "decode"]
+    before = stats(decode.url)
+    assert before["pd_transfer_backend"] == backend
+    flags = ["--pd-disaggregation", "--prefill", prefill.url,
+             str(servers[prefix + "bootstrap_port"]), "--decode", decode.url]  # fmt: skip
+    with running_router(*flags) as router:
+        assert _answers(router.url) == expected
+    after = stats(decode.url)
+    rooms = after["pd_rooms_ok"] - before["pd_rooms_ok"]
+    assert rooms == 5 * len(PROMPTS)
+    assert after["pd_checksum_mismatches"] == 0
+    layers = after["pd_checksum_layers_ok"] - before["pd_checksum_layers_ok"]
+    assert layers == rooms * _layers_per_room(checkpoint)
+    assert after["pd_bytes"] > before["pd_bytes"]
+    assert after["spec_verify_ct"] > 0, "EAGLE ran at the decode"
+    for server in (prefill, decode):
+        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
+def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected: list) -> None:
+    prefill, decodes = servers["prefill"], [servers["decode"], servers["decode2"]]
+    before = [stats(d.url)["pd_rooms_ok"] for d in decodes]
+    flags = ["--pd-disaggregation", "--prefill", prefill.url, "--decode", decodes[0].url,
+             "--decode", decodes[1].url, "--decode-policy", "round_robin"]  # fmt: skip
+    with running_router(*flags) as router:
+        assert _answers(router.url) == expected
+    after = [stats(d.url)["pd_rooms_ok"] for d in decodes]
+    assert all(a > b for a, b in zip(after, before)), "both decodes served rooms"
+    assert sum(after) - sum(before) == 5 * len(PROMPTS)
+    for server in (prefill, *decodes):
+        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
+def test_direct_requests_without_a_room_are_refused(servers: dict) -> None:
+    for role in ("prefill", "decode"):
+        reply = httpx.post(servers[role].url + "/generate", json={"text": "hi"}, timeout=30)
+        assert reply.status_code == 400
+        assert "bootstrap_room" in reply.json()["error"]["message"]

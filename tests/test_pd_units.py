@@ -1,0 +1,133 @@
+"""Disaggregation parts without servers: segments that move exactly a room's bytes (checked by
+the per-room checksums, which catch one flipped byte in the MTP layer), the aux record, the
+bootstrap server's answers, and the router's fields on a request."""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import httpx
+import pytest
+import torch
+
+from dsaserve.args import ServerArgs
+from dsaserve.disaggregation import aux, bootstrap, kv_layout
+from dsaserve.disaggregation.protocol import KVPoll, Status, TransferInfo, parse_to_prefill
+from dsaserve.disaggregation.request_fields import attach_bootstrap
+from dsaserve.engine.io import GenerateRequest, TokenLogprob
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.server.errors import APIError
+from dsaserve.server.openai.protocol import GenerateRequestIn
+
+CONFIG = types.SimpleNamespace(num_hidden_layers=2, kv_entry_dim=12, index_head_dim=8)
+
+
+def _pool(num_pages: int) -> KVPool:
+    return KVPool(CONFIG, num_pages, 4, 3, True, torch.float32)  # 2 layers + MTP, 3 indexer
+
+
+def _copy(segments: list[tuple[int, int, int]]) -> None:
+    """What a transfer engine does with segments, in one process."""
+    for src, dst, size in segments:
+        ctypes.memmove(dst, src, size)
+
+
+def test_segments_move_every_layer_indexer_and_mtp_entry() -> None:
+    prefill, decode = _pool(8), _pool(16)  # different pool sizes: different layer strides
+    torch.manual_seed(0)
+    prefill.kv_cache.normal_()
+    prefill.index_cache.normal_()
+    src_pages, dst_pages, prompt_len = [5, 6, 2], [0, 1, 9], 10  # runs: (5,6)->(0,1), 2->9
+    src_aux, dst_aux = aux.buffer(1), aux.buffer(4)
+    mine = kv_layout.describe(prefill, True, src_aux)
+    theirs = kv_layout.describe(decode, True, dst_aux)
+    assert kv_layout.mismatch(mine, theirs) is None
+    segments = kv_layout.kv_segments(mine, theirs, src_pages, dst_pages)
+    assert len(segments) == (3 + 3) * 2  # per layer of both caches, two runs
+    _copy(segments)
+    sent = kv_layout.checksums(prefill, src_pages, prompt_len)
+    assert kv_layout.checksums(decode, dst_pages, prompt_len) == sent
+    assert len(sent["kv"]) == 3 and len(sent["index"]) == 3
+    decode.kv_cache[2, dst_pages[0] * 4 + 1, 3] += 1.0  # one value in the MTP layer
+    got = kv_layout.checksums(decode, dst_pages, prompt_len)
+    assert [a == b for a, b in zip(got["kv"], sent["kv"])] == [True, True, False]
+    assert got["index"] == sent["index"]
+
+
+def test_layout_mismatch_names_the_mtp_layer() -> None:
+    with_mtp = kv_layout.describe(_pool(4), True, aux.buffer(1))
+    without = kv_layout.describe(KVPool(CONFIG, 4, 4, 2, False, torch.float32), False,
+                                 aux.buffer(1))  # fmt: skip
+    assert "--speculative-algorithm" in kv_layout.mismatch(with_mtp, without)
+
+
+def test_aux_record_round_trip() -> None:
+    buf = aux.buffer(3)
+    logprob = TokenLogprob(42, -0.25, [(42, -0.25), (7, -1.5)])
+    aux.pack(buf, 2, 42, logprob)
+    assert aux.unpack(buf, 2) == (42, logprob)
+    aux.pack(buf, 1, 9, None)
+    assert aux.unpack(buf, 1) == (9, None)
+
+
+def test_frames_round_trip() -> None:
+    info = TransferInfo(2**63 - 1, "tcp://127.0.0.1:5", "agent", [3, 1, 4], 7)
+    assert parse_to_prefill(info.frames()) == info
+    status = Status(5, KVPoll.Success, 0, {"checksums": {"kv": ["ab"]}})
+    assert Status.parse(status.frames()) == status
+
+
+def test_bootstrap_server_routes() -> None:
+    server = bootstrap.BootstrapServer("127.0.0.1", 0)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        assert bootstrap.healthy(address)
+        url = f"http://{address}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
+        assert httpx.get(url + "&target_pp_rank=-1").status_code == 503  # nothing registered
+        assert httpx.get(url).status_code == 400  # a rank missing
+        rank = {k: 0 for k in ("attn_tp_rank", "attn_cp_rank", "attn_dp_rank", "pp_rank",
+                               "system_dp_rank")}  # fmt: skip
+        sizes = {k: 1 for k in ("attn_tp_size", "attn_cp_size", "attn_dp_size", "pp_size",
+                                "system_dp_size")}  # fmt: skip
+        bootstrap.register_rank(address, {**rank, **sizes, "rank_ip": "127.0.0.1",
+                                          "rank_port": 1234, "page_size": 64,
+                                          "kv_cache_dtype": "bf16"})  # fmt: skip
+        info = bootstrap.query_route(address, (-1, -1, -1, -1))
+        assert (info["attn_tp_size"], info["page_size"]) == (1, 64)
+        assert bootstrap.query_route(address, (0, 0, 0, 0)) == {"rank_ip": "127.0.0.1",
+                                                                "rank_port": 1234}  # fmt: skip
+        with pytest.raises(RuntimeError, match="404"):
+            bootstrap.query_route(address, (0, 0, 1, 0))
+    finally:
+        server.close()
+
+
+def _requests(n: int) -> list[GenerateRequest]:
+    return [GenerateRequest(rid=str(i), input_ids=[1], sampling={}) for i in range(n)]
+
+
+def test_router_fields_on_requests() -> None:
+    decode = ServerArgs(disaggregation_mode="decode", disaggregation_bootstrap_port=9100)
+    body = GenerateRequestIn.model_validate({
+        "text": "hi", "bootstrap_host": "10.0.0.2", "bootstrap_port": None,
+        "bootstrap_room": 2**63 - 1,
+    })  # fmt: skip
+    requests = _requests(1)
+    attach_bootstrap(decode, body, requests)
+    assert requests[0].bootstrap.port == 9100 and requests[0].bootstrap.room == 2**63 - 1
+    batch = GenerateRequestIn.model_validate({
+        "text": "hi", "bootstrap_host": ["a", "b"], "bootstrap_port": [1, 2],
+        "bootstrap_room": [3, 4],
+    })  # fmt: skip
+    requests = _requests(2)
+    attach_bootstrap(decode, batch, requests)
+    assert [(r.bootstrap.host, r.bootstrap.port, r.bootstrap.room) for r in requests] == [
+        ("a", 1, 3), ("b", 2, 4)]  # fmt: skip
+    with pytest.raises(APIError, match="bootstrap_room"):
+        attach_bootstrap(decode, GenerateRequestIn(text="hi"), _requests(1))
+    regular = ServerArgs()
+    attach_bootstrap(regular, body, requests := _requests(1))  # accepted, ignored
+    assert requests[0].bootstrap is None
+    with pytest.raises(ValueError):
+        GenerateRequestIn.model_validate({"text": "x", "bootstrap_room": 2**63})

@@ -1,0 +1,99 @@
+"""The real sglang-router (regular mode) over two plain `dsaserve serve` servers: the openai SDK
+through round_robin and power_of_two, and `/get_load` steering power_of_two."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from pd_harness import requires_router, running_router, running_servers, stats, wait_for
+from server_harness import Server
+
+pytestmark = requires_router
+MODEL = "glm-router-test"
+MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in spring, briefly."}]
+
+
+@pytest.fixture(scope="module")
+def pair(server_checkpoint: Path) -> Iterator[tuple[Server, Server]]:
+    spec = (server_checkpoint, ["--served-model-name", MODEL, "--max-total-tokens", "65536"], None)
+    with running_servers([spec, spec]) as (a, b):
+        yield a, b
+
+
+def test_extras_the_router_reads(pair: tuple[Server, Server]) -> None:
+    a, _ = pair
+    load = httpx.get(a.url + "/get_load").json()
+    assert load == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    info = httpx.get(a.url + "/server_info").json()
+    assert info["served_model_name"] == MODEL and Path(info["model_path"]).is_dir()
+    assert httpx.get(a.url + "/model_info").json()["served_model_name"] == MODEL
+
+
+def test_round_robin_chat(pair: tuple[Server, Server]) -> None:
+    before = [stats(s.url)["prompt_tokens"] for s in pair]
+    with running_router("--worker-urls", *(s.url for s in pair), "--policy", "round_robin") as r:
+        client = openai.OpenAI(base_url=r.base, api_key="none")
+        for _ in range(2):
+            reply = client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0
+            )
+            assert reply.choices[0].finish_reason == "length"
+            assert reply.usage.completion_tokens == 6
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        ))  # fmt: skip
+        assert chunks[-1].usage.completion_tokens == 6
+        assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    after = [stats(s.url)["prompt_tokens"] for s in pair]
+    assert all(x > y for x, y in zip(after, before)), "round_robin used both servers"
+
+
+def _busy_episode(a: Server, b: Server, router_base: str, holders: int) -> bool | None:
+    """Hold `holders` long requests on A, send 4 through the router; None when A finished its
+    holders too early for the episode to say anything, else whether B got all 4."""
+    busy = openai.OpenAI(base_url=a.base, api_key="none", max_retries=0)
+
+    def hold() -> None:
+        with contextlib.suppress(openai.APIError):
+            busy.completions.create(model=MODEL, prompt="word " * 60, max_tokens=900,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+
+    threads = [threading.Thread(target=hold) for _ in range(holders)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: stats(a.url)["num_running"] == holders, 60, "A busy")
+        load = httpx.get(a.url + "/get_load").json()[0]
+        assert load["num_reqs"] == holders and load["num_tokens"] > 0
+        before = [stats(s.url)["prompt_tokens"] for s in (a, b)]
+        time.sleep(1.5)  # the router polls /get_load every second
+        client = openai.OpenAI(base_url=router_base, api_key="none")
+        for i in range(4):
+            client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
+        after = [stats(s.url)["prompt_tokens"] for s in (a, b)]
+        if stats(a.url)["num_running"] != holders:
+            return None
+        return after[0] == before[0] and after[1] > before[1]
+    finally:
+        httpx.post(a.url + "/abort_request", json={"abort_all": True})
+        for t in threads:
+            t.join()
+
+
+def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
+    """Busy server A (KV in use, as /get_load reports) gets none of the router's requests."""
+    a, b = pair
+    with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two") as r:
+        for holders in (8, 16, 32):  # more when this machine is fast enough to finish them
+            steered = _busy_episode(a, b, r.base, holders)
+            if steered is not None:
+                break
+    assert steered, "power_of_two sent a request to the loaded server"
