@@ -18,11 +18,13 @@ from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.kv_quant import resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
@@ -41,6 +43,7 @@ class Engine:
         self.args = args
         self.device = _device(args.device)
         refuse_unrunnable(args, self.device.type)
+        self.kernels = choose_kernels(args, self.device.type)
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
         self._init_config()
@@ -78,11 +81,16 @@ class Engine:
         mtp = self.with_mtp
         index_layers = len(index_cache_ids(cfg, mtp))
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize)
+        fp8 = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device) == "fp8_e4m3"
+        self.kv_dtype = "fp8_e4m3" if fp8 else str(self.dtype).removeprefix("torch.")
+        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize, fp8)
+        self.kv_bytes_per_token = per_token
         page_size = args.page_size or 64
         tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
         num_pages = max(tokens // page_size, 2)
-        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device)
+        self.pool = KVPool(
+            cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device, fp8=fp8
+        )
         self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
@@ -93,7 +101,7 @@ class Engine:
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels)
         self.spec = None
         if mtp:
             share = cfg.index_share_for_mtp_iteration
@@ -227,6 +235,9 @@ class Engine:
             "kv_used_tokens": used_pages * pool.page_size,
             "kv_cached_tokens": cache.cached_pages * pool.page_size,
             "kv_free_pages": pool.pages.num_free,
+            "kv_cache_dtype": self.kv_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kernel_backends": dict(self.kernels.names),
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
