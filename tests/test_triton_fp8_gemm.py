@@ -22,7 +22,7 @@ def test_block_fp8_gemm_matches_dequantised(m: int, n: int, k: int) -> None:
     a8, a_scale = tk.act_quant(x)
     got = tk.fp8_gemm(a8, a_scale, w8, scale)
     # exact product of the two quantised operands (both dequantised), in fp64
-    a = (a8.double().view(m, -1) * a_scale.double().repeat_interleave(128, 1)[:, :k])
+    a = a8.double().view(m, -1) * a_scale.double().repeat_interleave(128, 1)[:, :k]
     want = a @ dequantize_block_fp8(w8, scale).double().T
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-3)
     # and close to the reference linear (which keeps x unquantised): e4m3 error on x only

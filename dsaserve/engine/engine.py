@@ -18,7 +18,7 @@ from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
-from dsaserve.engine.kv_quant import resolve_kv_dtype
+from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
@@ -80,16 +80,16 @@ class Engine:
         cfg, args = self.model_config, self.args
         mtp = self.with_mtp
         index_layers = len(index_cache_ids(cfg, mtp))
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        fp8 = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device) == "fp8_e4m3"
-        self.kv_dtype = "fp8_e4m3" if fp8 else str(self.dtype).removeprefix("torch.")
+        stored = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        fp8, itemsize = stored == torch.uint8, stored.itemsize
+        self.kv_dtype = kv_dtype_name(stored)
         per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize, fp8)
         self.kv_bytes_per_token = per_token
         page_size = args.page_size or 64
         tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
         num_pages = max(tokens // page_size, 2)
         self.pool = KVPool(
-            cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device, fp8=fp8
+            cfg, num_pages, page_size, index_layers, mtp, stored, self.device, fp8=fp8
         )
         self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.

@@ -30,14 +30,23 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.uint8
 
 
-def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> str:
-    """'fp8_e4m3' or 'compute' (the model's dtype). auto: fp8 on Blackwell (SM 10+), else the
-    compute dtype (Hopper and CPU), as the deployment guide says."""
-    if name == "fp8_e4m3":
-        return "fp8_e4m3"
-    if name == "auto" and device.type == "cuda":
-        return "fp8_e4m3" if torch.cuda.get_device_capability(device)[0] >= 10 else "compute"
-    return "compute"
+def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """The pool's storage dtype: torch.uint8 for FP8 (raw bytes), else a float dtype. auto: FP8
+    on Blackwell (SM 10+), else the compute dtype (Hopper and CPU), as the deployment guide says;
+    bf16 / fp32 store in that dtype whatever the compute dtype."""
+    if (
+        name == "auto"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 10
+    ):
+        name = "fp8_e4m3"
+    stored = {"fp8_e4m3": torch.uint8, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+              "fp32": torch.float32, "float32": torch.float32}  # fmt: skip
+    return stored.get(name, compute)
+
+
+def kv_dtype_name(stored: torch.dtype) -> str:
+    return "fp8_e4m3" if stored == torch.uint8 else str(stored).removeprefix("torch.")
 
 
 def group_size(rank: int) -> int:
