@@ -32,6 +32,7 @@ from dsaserve.models.checkpoint_files import (
     tensor_locations,
 )
 from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX, dequantize_block_fp8
+from dsaserve.models.nvfp4 import companion_of, is_nvfp4_weight, read_nvfp4
 
 __all__ = ["CheckpointError", "load_checkpoint"]
 
@@ -140,6 +141,8 @@ class _Loader:
     def load(self, name: str, handle: object, file: Path) -> None:
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.locations:
             return  # read together with its weight
+        if companion_of(name, self.locations) is not None:
+            return  # an NVFP4 scale, read together with its weight
         target = self.targets.get(name)
         expert = EXPERT_RE.match(name) if target is None else None
         fused = self._fused_target(expert) if expert else None
@@ -159,6 +162,8 @@ class _Loader:
         self, name: str, handle: object, file: Path, device: torch.device | None
     ) -> torch.Tensor:
         tensor = get_tensor(handle, name, file)
+        if is_nvfp4_weight(name, tensor, self.locations):
+            return read_nvfp4(name, tensor.to(device), lambda n: self._sibling(n, handle, file))
         if tensor.dtype not in FP8_DTYPES:
             return tensor
         scale_name = name + SCALE_SUFFIX
@@ -174,6 +179,13 @@ class _Loader:
             return dequantize_block_fp8(tensor.to(device), scale.to(device), self.block)
         except ValueError as exc:
             raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
+
+    def _sibling(self, name: str, handle: object, file: Path) -> torch.Tensor:
+        where = self.locations[name]
+        if where == file:
+            return get_tensor(handle, name, file)
+        with open_safetensors(where) as other:
+            return get_tensor(other, name, where)
 
     def _fused_target(self, expert: re.Match[str]) -> _Target | None:
         kind = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"
