@@ -63,3 +63,43 @@ def test_engine_decodes_the_same_tokens_with_the_triton_kernels(tmp_path, kv: st
     assert outs["triton"].token_ids == outs["torch"].token_ids
     for a, b in zip(outs["torch"].logprobs, outs["triton"].logprobs):
         assert abs(a.logprob - b.logprob) < 1e-4
+
+
+@needs_triton
+def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None:
+    """`--fp8-gemm-backend triton`: the quantised Linears hold the checkpoint's e4m3 bytes (no
+    dequantised copy) and compute through the block-FP8 GEMM; the logits stay those of the
+    dequantising torch path up to the activation's e4m3 rounding."""
+    from dsaserve.kernels.fp8_linear import Fp8Linear
+    from dsaserve.models.fp8 import quantize_checkpoint
+
+    fp8 = tmp_path / "fp8"
+    src = make_checkpoint(tmp_path / "src", "glm", seed=4, index_topk=64)  # dense: no flips
+    quantize_checkpoint(src, fp8, block=128)
+    common = dict(dtype="float32", max_total_tokens=256, page_size=4)
+    kept = LLM(str(fp8), fp8_gemm_backend="triton", **common).engine
+    dequantised = LLM(str(fp8), **common).engine
+    proj = kept.model.model.layers[1].self_attn.o_proj
+    assert isinstance(proj, Fp8Linear) and proj.weight.dtype == torch.float8_e4m3fn
+    assert kept.stats()["fp8_linears_kept"] > 10 and dequantised.stats()["fp8_linears_kept"] == 0
+    assert kept.model_config.quantization == "fp8"
+    prompt = PROMPT[:24]
+    got, want = kept.score(prompt), dequantised.score(prompt)
+    # the activation's per-token 1x128 e4m3 rounding (~3.6% rms a Linear) is the only change
+    assert ((got - want).norm() / want.norm()).item() < 0.15
+    # and with the GEMM swapped for its exact torch math, the logits are the kernel's
+    for module in kept.model.modules():
+        if isinstance(module, Fp8Linear):
+            module.gemm = _exact_fp8_gemm
+    torch.testing.assert_close(kept.score(prompt), got, rtol=1e-4, atol=1e-4)
+
+
+def _exact_fp8_gemm(x, w8, scale_inv, bias=None):
+    from dsaserve.kernels.triton_fp8_gemm import act_quant
+    from dsaserve.models.fp8 import dequantize_block_fp8
+
+    flat = x.reshape(-1, x.shape[-1])
+    a8, a_scale = act_quant(flat)
+    a = a8.float() * a_scale.repeat_interleave(128, 1)[:, : flat.shape[1]]
+    y = (a @ dequantize_block_fp8(w8, scale_inv).T).view(*x.shape[:-1], -1).to(x.dtype)
+    return y if bias is None else y + bias

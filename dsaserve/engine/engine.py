@@ -24,9 +24,11 @@ from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
+from dsaserve.models.checkpoint_files import fp8_block_size
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
 from dsaserve.models.loader import load_checkpoint
 from dsaserve.sampling_params import SamplingParams
@@ -72,9 +74,19 @@ class Engine:
             )
         with torch.device("meta"):
             self.model = DsaMoeForCausalLM(self.model_config, with_mtp=self.with_mtp)
+        self.fp8_linears = self._keep_fp8()
         load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
         self.model.to(self.device).eval().requires_grad_(False)
         self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
+
+    def _keep_fp8(self) -> int:
+        """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs."""
+        if self.model_config.quantization != "fp8" or self.kernels.names["fp8_gemm"] == "torch":
+            return 0
+        if fp8_block_size(Path(self.args.model_path)) != (128, 128):
+            logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
+            return 0
+        return keep_fp8(self.model, self.kernels.fp8_gemm)
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
@@ -238,6 +250,7 @@ class Engine:
             "kv_cache_dtype": self.kv_dtype,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kernel_backends": dict(self.kernels.names),
+            "fp8_linears_kept": self.fp8_linears,
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
