@@ -5,7 +5,8 @@ S[h, l] = q[h] . k[l] as one fp32 `tl.dot` (heads padded to 16 by masking), then
 I[l] = sum_h w[h] * ReLU(S[h, l]). Keys are read through the row's slot table from a float
 cache or the FP8 layout (e4m3 bytes + a per-token fp32 scale, engine/kv_quant.py). The top-k is
 `topk_earliest` over these scores, so equal scores keep the earlier position, exactly as the
-reference does (docs/determinism.md).
+reference does (docs/determinism.md). The dot is IEEE fp32 (no TF32 on GPU): the selection should
+be the reference's, not merely close to it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _indexer_scores_kernel(
         k = k * tl.load(scale_ptr + slot * scale_stride, mask=in_l, other=0.0)[:, None]
     else:
         k = tl.load(kptr, mask=kmask, other=0.0).to(tl.float32)
-    s = tl.dot(q.to(tl.float32), tl.trans(k))  # [BLOCK_H, BLOCK_L]
+    s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_L]
     score = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
     score = tl.where(valid, score, float("-inf"))
     tl.store(out_ptr + b * L + ls, score, mask=in_l)

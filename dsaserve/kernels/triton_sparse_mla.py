@@ -59,13 +59,14 @@ def _sparse_mla_kernel(
                             other=0.0).to(tl.float32)  # fmt: skip
         k_pe = tl.load(rope_ptr + slot[:, None] * rope_stride + rope_offset + ps[None, :],
                        mask=pmask, other=0.0).to(tl.float32)  # fmt: skip
-        s = tl.dot(q_lat, tl.trans(k_lat)) + tl.dot(q_pe, tl.trans(k_pe))  # [BH, BN]
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")  # [BH, BN]
+        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
         s = tl.where(ok[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.where(ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k_lat)
+        acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision="ieee")
         m = m_new
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     tl.store(out_ptr + b * H * R + hs[:, None] * R + rs[None, :], out,
