@@ -67,6 +67,7 @@ def test_the_script_runs_end_to_end_at_toy_shapes(tmp_path) -> None:
     assert report["decode"][0]["batch"] == 1 and report["decode"][0]["floor_ms"] > 0
 
 
+@pytest.mark.gpu
 @gpu
 def test_gpu_kernels_at_rank_shapes() -> None:
     """On a GPU: the kernel checks at GLM-5.3's TP8 shapes (the script's part 1, 8k context)."""

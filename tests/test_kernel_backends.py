@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tiny_models import make_checkpoint
-from triton_env import needs_triton
+from triton_env import gpu, needs_triton
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
@@ -103,3 +103,18 @@ def _exact_fp8_gemm(x, w8, scale_inv, bias=None):
     a = a8.float() * a_scale.repeat_interleave(128, 1)[:, : flat.shape[1]]
     y = (a @ dequantize_block_fp8(w8, scale_inv).T).view(*x.shape[:-1], -1).to(x.dtype)
     return y if bias is None else y + bias
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_auto_picks_triton_and_decodes_like_the_reference(tmp_path) -> None:
+    folder = make_checkpoint(tmp_path / "m", "glm", seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(str(folder), device="cuda", dtype="float32", max_total_tokens=256,
+                  page_size=4, kv_cache_dtype="fp8_e4m3", dsa_decode_backend=backend)  # fmt: skip
+        expected = "triton" if backend == "auto" else "torch"
+        assert llm.engine.kernels.names["sparse_mla"] == expected
+        outs[backend] = llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids
+    assert outs["auto"] == outs["torch"]
