@@ -48,8 +48,8 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
 # SGLang names for its kernels -> the implementation of ours that stands in for them on CUDA
 SGLANG_ATTENTION = ("flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto",
                     "fa3", "tilelang", "aiter", "trtllm")  # fmt: skip
-ATTENTION_BACKENDS = ("dsa", "nsa", "torch", "triton")
-DSA_BACKENDS = (*SGLANG_ATTENTION, "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "dsa", "nsa", "torch", "triton")
+DSA_BACKENDS = ("auto", *SGLANG_ATTENTION, "torch", "triton")
 MOE_BACKENDS = ("auto", "torch", "triton", "deep_gemm", "flashinfer_cutlass", "cutlass")
 FP8_GEMM_BACKENDS = ("auto", "torch", "triton", "deep_gemm", "cutlass", "flashinfer_trtllm")
 
