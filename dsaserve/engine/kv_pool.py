@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.kv_quant import index_key_bytes, mla_entry_bytes
+from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
 from dsaserve.model_config import ModelConfig
 
 

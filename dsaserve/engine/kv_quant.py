@@ -16,14 +16,12 @@ Reads dequantise into the compute dtype; the Triton kernels read the bytes direc
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from dsaserve.engine.kv_layout import group_size, index_key_bytes, mla_entry_bytes  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
-GROUP = 128  # latent values per scale
-KV_DTYPES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "float32", "fp32")
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
@@ -47,20 +45,6 @@ def resolve_kv_dtype(name: str, compute: torch.dtype, device: torch.device) -> t
 
 def kv_dtype_name(stored: torch.dtype) -> str:
     return "fp8_e4m3" if stored == torch.uint8 else str(stored).removeprefix("torch.")
-
-
-def group_size(rank: int) -> int:
-    """Latent values per scale: 128, or the largest power of two dividing a smaller rank."""
-    return math.gcd(rank, GROUP)
-
-
-def mla_entry_bytes(rank: int, rope: int) -> int:
-    """Bytes of one FP8 MLA entry: latent e4m3 + fp32 scales + bf16 rope (656 for 512/64)."""
-    return rank + 4 * (rank // group_size(rank)) + 2 * rope
-
-
-def index_key_bytes(dim: int) -> int:
-    return dim + 4
 
 
 def _scales(x: torch.Tensor) -> torch.Tensor:
