@@ -10,6 +10,8 @@ fp8 keys can flip a top-k choice, so there the check is on greedy tokens and the
 
 from __future__ import annotations
 
+import json
+
 import torch
 from tiny_models import make_checkpoint
 
@@ -105,3 +107,23 @@ def test_fp8_cache_on_the_trained_model_sparse_path() -> None:
     assert 0 < error("fp8_e4m3") < 16 * error("bf16")
     agree = (logp["fp8_e4m3"].argmax(-1) == logp["auto"].argmax(-1)).float().mean().item()
     assert agree >= 0.85
+
+
+def test_server_reports_the_fp8_cache(server_checkpoint) -> None:
+    """`dsaserve serve --kv-cache-dtype fp8_e4m3` serves, and /get_server_info shows the bytes."""
+    import httpx
+    from server_harness import running_server
+
+    with running_server(server_checkpoint, "--kv-cache-dtype", "fp8_e4m3") as server:
+        body = {"model": "x", "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+        done = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 4
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+    state = info["internal_states"][0]
+    assert info["kv_cache_dtype"] == "fp8_e4m3" and state["kv_cache_dtype"] == "fp8_e4m3"
+    assert state["kernel_backends"]["sparse_mla"] == "torch"
+    config = json.loads((server_checkpoint / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    entry = mla_entry_bytes(config["kv_lora_rank"], config["qk_rope_head_dim"])
+    assert state["kv_bytes_per_token"] == layers * (entry + index_key_bytes(
+        config["index_head_dim"]))  # fmt: skip
