@@ -14,6 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.assets import default_model_path
+from dsaserve.kernels.registry import (
+    ATTENTION_BACKENDS,
+    DSA_BACKENDS,
+    FP8_GEMM_BACKENDS,
+    MOE_BACKENDS,
+    BackendError,
+    choose_kernels,
+)
+
+BACKEND_FLAGS = {"attention_backend": ATTENTION_BACKENDS, "dsa_prefill_backend": DSA_BACKENDS,
+                 "dsa_decode_backend": DSA_BACKENDS, "moe_runner_backend": MOE_BACKENDS,
+                 "fp8_gemm_backend": FP8_GEMM_BACKENDS}  # fmt: skip
 
 API_KEY_ENV = "DSASERVE_API_KEY"
 
@@ -67,6 +79,8 @@ class ServerArgs:
     attention_backend: str | None = None
     dsa_prefill_backend: str | None = None
     dsa_decode_backend: str | None = None
+    moe_runner_backend: str = "auto"
+    fp8_gemm_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     # speculative decoding
@@ -158,6 +172,13 @@ def _check(args: ServerArgs) -> None:
         raise ArgsError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: DSA models support only bf16 or fp8_e4m3"
         )
+    for name, choices in BACKEND_FLAGS.items():
+        value = getattr(args, name)
+        if value is not None and value != "auto" and value not in choices:
+            flag = name.replace("_", "-")
+            raise ArgsError(f"--{flag} {value}: choose one of {', '.join(choices)}")
+    if args.cuda_graph_max_bs is not None and args.cuda_graph_max_bs < 1:
+        raise ArgsError(f"--cuda-graph-max-bs must be >= 1, got {args.cuda_graph_max_bs}")
     if args.cp_strategy == "interleave" and args.enable_prefill_cp and args.dp_size != 1:
         raise ArgsError("--cp-strategy interleave does not support DP attention: use --dp 1")
     if args.enable_prefill_cp and args.disaggregation_mode == "decode":
@@ -229,8 +250,10 @@ def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
             f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend} is not "
             "available; use nixl or mooncake"
         )
-    if args.kv_cache_dtype.startswith("fp8") and device_type == "cpu":
-        raise ArgsError("--kv-cache-dtype fp8_e4m3 needs a GPU; use auto or bf16 on CPU")
+    try:
+        choose_kernels(args, device_type)
+    except BackendError as e:
+        raise ArgsError(str(e)) from None
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) -> None:
@@ -282,11 +305,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--schedule-policy", choices=["fcfs", "lpm"])
     f("--radix-eviction-policy", choices=["lru"])
     f("--kv-cache-dtype")
-    f("--attention-backend", choices=["dsa", "nsa", "torch"])
-    backends = ["flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto", "fa3",
-                "tilelang", "aiter", "trtllm"]  # fmt: skip
-    f("--dsa-prefill-backend", "--nsa-prefill-backend", choices=backends)
-    f("--dsa-decode-backend", "--nsa-decode-backend", choices=backends)
+    f("--attention-backend", choices=list(ATTENTION_BACKENDS))
+    f("--dsa-prefill-backend", "--nsa-prefill-backend", choices=list(DSA_BACKENDS))
+    f("--dsa-decode-backend", "--nsa-decode-backend", choices=list(DSA_BACKENDS))
+    f("--moe-runner-backend", choices=list(MOE_BACKENDS))
+    f("--fp8-gemm-backend", choices=list(FP8_GEMM_BACKENDS))
     f("--disable-cuda-graph", **on)
     f("--cuda-graph-max-bs", type=int)
     f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])

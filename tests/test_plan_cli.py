@@ -166,3 +166,14 @@ def test_docs_name_every_rule():
 
     text = DOCS.read_text()
     assert [name for name in (r.name for r in RULES) if f"`{name}`" not in text] == []
+
+
+def test_cpu_fp8_kv_plan_shows_the_smaller_entry(tmp_path: Path, capsys):
+    """dsaserve runs an FP8 KV cache on CPU too: the plan takes it, with FlashMLA-layout bytes."""
+    folder = write_tiny_config(tmp_path / "tiny")
+    argv = ["--model", folder, "--hardware", "CPU", "--input-len", "64", "--json"]
+    assert main([*argv, "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is True and out["layout"]["kv_cache_dtype"] == "fp8_e4m3"
+    # e4m3 latent (32) + one fp32 scale + bf16 rope (16), indexer key 32 + 4, over 2 layers
+    assert out["memory"]["kv_bytes_per_token"] == 2 * ((32 + 4 + 2 * 16) + (32 + 4))

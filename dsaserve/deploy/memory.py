@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dsaserve.deploy.models import ModelSpec
+from dsaserve.engine.kv_layout import mla_entry_bytes
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 weight + one fp32 scale per 128x128 block
 FP4_BYTES = 0.5 + 1 / 16  # e2m1 weight + one fp8 scale per 16 elements (NVFP4)
@@ -126,9 +127,8 @@ def kv_bytes_per_layer(m: ModelSpec, kv_dtype: str) -> int:
     if kv_dtype == "fp32":
         return (m.kv_lora_rank + m.qk_rope_head_dim + m.index_head_dim) * 4
     indexer = m.index_head_dim + 4
-    if kv_dtype == "fp8_e4m3":
-        latent = m.kv_lora_rank + 4 * (m.kv_lora_rank // 128) + 2 * m.qk_rope_head_dim
-        return latent + indexer
+    if kv_dtype == "fp8_e4m3":  # the pool's own layout (engine/kv_quant.py): 656 B for GLM-5
+        return mla_entry_bytes(m.kv_lora_rank, m.qk_rope_head_dim) + indexer
     return 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + indexer
 
 

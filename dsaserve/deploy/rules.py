@@ -230,9 +230,10 @@ def _dflash2(lay: Layout) -> str | None:
 # ---------------------------------------------------------------- KV cache
 
 
-@rule("fp8-kv-nvidia-only", "FP8 KV is for NVIDIA GPUs; ROCm recipes and CPU keep bf16/fp32.")
+@rule("fp8-kv-nvidia-only", "FP8 KV is for NVIDIA GPUs (and CPU, dsaserve's own); ROCm keeps bf16.")
 def _fp8_kv_nvidia(lay: Layout) -> str | None:
-    if lay.request.kv_cache_dtype == "fp8_e4m3" and lay.hardware.vendor != "nvidia":
+    fp8_ok = lay.hardware.vendor == "nvidia" or lay.hardware.is_cpu
+    if lay.request.kv_cache_dtype == "fp8_e4m3" and not fp8_ok:
         raise Refuse(f"--kv-cache-dtype fp8_e4m3 on {lay.hardware.name}")
     return None
 

@@ -19,13 +19,17 @@ from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.kernels.fp8_linear import keep_fp8
+from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
+from dsaserve.models.checkpoint_files import fp8_block_size
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
 from dsaserve.models.loader import load_checkpoint
 from dsaserve.sampling_params import SamplingParams
@@ -42,6 +46,7 @@ class Engine:
         self.args = args
         self.device = _device(args.device)
         refuse_unrunnable(args, self.device.type)
+        self.kernels = choose_kernels(args, self.device.type)
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
         self._init_config()
@@ -72,20 +77,35 @@ class Engine:
             )
         with torch.device("meta"):
             self.model = DsaMoeForCausalLM(self.model_config, with_mtp=self.with_mtp)
+        self.fp8_linears = self._keep_fp8()
         load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
         self.model.to(self.device).eval().requires_grad_(False)
         self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
+
+    def _keep_fp8(self) -> int:
+        """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs."""
+        if self.model_config.quantization != "fp8" or self.kernels.names["fp8_gemm"] == "torch":
+            return 0
+        if fp8_block_size(Path(self.args.model_path)) != (128, 128):
+            logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
+            return 0
+        return keep_fp8(self.model, self.kernels.fp8_gemm)
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
         mtp = self.with_mtp
         index_layers = len(index_cache_ids(cfg, mtp))
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize)
+        stored = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        fp8, itemsize = stored == torch.uint8, stored.itemsize
+        self.kv_dtype = kv_dtype_name(stored)
+        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize, fp8)
+        self.kv_bytes_per_token = per_token
         page_size = args.page_size or 64
         tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
         num_pages = max(tokens // page_size, 2)
-        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device)
+        self.pool = KVPool(
+            cfg, num_pages, page_size, index_layers, mtp, stored, self.device, fp8=fp8
+        )
         self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
@@ -96,7 +116,7 @@ class Engine:
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels)
         self.spec = None
         if mtp:
             share = cfg.index_share_for_mtp_iteration
@@ -279,6 +299,10 @@ class Engine:
             "kv_used_tokens": used_pages * pool.page_size,
             "kv_cached_tokens": cache.cached_pages * pool.page_size,
             "kv_free_pages": pool.pages.num_free,
+            "kv_cache_dtype": self.kv_dtype,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kernel_backends": dict(self.kernels.names),
+            "fp8_linears_kept": self.fp8_linears,
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from dsaserve.kernels.registry import DEFAULT_KERNELS, Kernels
 
 
 @dataclass
@@ -40,6 +42,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [R] rows whose next-token logits are needed
     kv_cache: torch.Tensor  # [layers, slots, kv_lora_rank + rope] the pool's MLA entries
     index_cache: torch.Tensor  # [indexer layers, slots, index_head_dim]
+    kernels: Kernels = field(default=DEFAULT_KERNELS)  # the backend of each hot op
 
     @property
     def decode_lens(self) -> torch.Tensor:

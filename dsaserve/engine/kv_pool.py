@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
 from dsaserve.model_config import ModelConfig
 
 
@@ -43,23 +44,33 @@ class KVPool:
         with_mtp: bool,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        fp8: bool = False,
     ) -> None:
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         layers = config.num_hidden_layers + int(with_mtp)
         slots = num_pages * page_size
-        self.kv_cache = torch.zeros(layers, slots, config.kv_entry_dim, dtype=dtype, device=device)
-        self.index_cache = torch.zeros(
-            num_index_layers, slots, config.index_head_dim, dtype=dtype, device=device
-        )
+        # FP8: raw bytes in FlashMLA's layout (engine/kv_quant.py)
+        entry, key = config.kv_entry_dim, config.index_head_dim
+        if fp8:
+            dtype = torch.uint8
+            entry = mla_entry_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
+            key = index_key_bytes(key)
+        self.kv_cache = torch.zeros(layers, slots, entry, dtype=dtype, device=device)
+        self.index_cache = torch.zeros(num_index_layers, slots, key, dtype=dtype, device=device)
 
     @property
     def num_tokens(self) -> int:
         return self.pages.num_pages * self.page_size
 
     @staticmethod
-    def bytes_per_token(config: ModelConfig, num_index_layers: int, with_mtp: bool, itemsize: int):
+    def bytes_per_token(
+        config: ModelConfig, num_index_layers: int, with_mtp: bool, itemsize: int, fp8: bool = False
+    ) -> int:
         layers = config.num_hidden_layers + int(with_mtp)
+        if fp8:
+            entry = mla_entry_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
+            return layers * entry + num_index_layers * index_key_bytes(config.index_head_dim)
         return itemsize * (layers * config.kv_entry_dim + num_index_layers * config.index_head_dim)
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:

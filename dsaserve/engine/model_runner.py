@@ -8,11 +8,19 @@ from torch.nn.utils.rnn import pad_sequence
 from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.kernels.registry import DEFAULT_KERNELS, Kernels
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: DsaMoeForCausalLM, pool: KVPool, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: DsaMoeForCausalLM,
+        pool: KVPool,
+        device: torch.device,
+        kernels: Kernels = DEFAULT_KERNELS,
+    ) -> None:
+        self.kernels = kernels
         self.model = model
         self.pool = pool
         self.device = device
@@ -80,4 +88,5 @@ class ModelRunner:
             logits_rows=torch.zeros(0, dtype=torch.long, device=dev),
             kv_cache=self.pool.kv_cache,
             index_cache=self.pool.index_cache,
+            kernels=self.kernels,
         )

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.kv_quant import KV_STORE
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.layers.topk import topk_earliest
 from dsaserve.model_config import ModelConfig
@@ -73,7 +74,7 @@ class Indexer(nn.Module):
         k = torch.cat([apply_rotary(k[..., : self.rope_dim], cos, sin, self.interleave),
                        k[..., self.rope_dim :]], dim=-1)  # fmt: skip
         cache = batch.index_cache[self.cache_index]
-        cache.index_copy_(0, batch.out_slots, k.to(cache.dtype))
+        KV_STORE.write_key(cache, batch.out_slots, k)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float()
         weights = weights * (self.n_heads**-0.5 * self.head_dim**-0.5)  # [T, nI]
         extends = [self._select_extend(batch, seq, q, weights, cache) for seq in batch.extends]
@@ -82,7 +83,7 @@ class Indexer(nn.Module):
     def _select_extend(self, batch: ForwardBatch, seq, q, weights, cache) -> torch.Tensor | None:
         if seq.ctx_len <= self.topk:
             return None
-        keys = gather_rows(cache, seq.ctx_slots).float()  # [L, dI]
+        keys = KV_STORE.read_key(cache, seq.ctx_slots, torch.float32)  # [L, dI]
         first = seq.ctx_len - seq.q_len
         picks = []
         for block in row_blocks(seq.q_len, self.n_heads * seq.ctx_len):
@@ -98,9 +99,6 @@ class Indexer(nn.Module):
     def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
         if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:
             return None
-        keys = gather_rows(cache, batch.decode_slots).float()  # [Bd, Lmax, dI]
-        rows = batch.decode_rows
-        scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows].float(), keys))
-        scores = torch.einsum("bh,bhl->bl", weights[rows], scores)
-        scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
-        return topk_earliest(scores, self.topk)  # [Bd, topk]
+        rows = batch.decode_rows  # the `indexer` op (kernels/registry.py)
+        return batch.kernels.indexer(q[rows].float(), weights[rows], cache, batch.decode_slots,
+                                     batch.decode_valid, self.topk)  # fmt: skip

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.kv_quant import KV_STORE
+from dsaserve.kernels.reference import softmax_attend
 from dsaserve.layers.indexer import Indexer, Selection, row_blocks
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import apply_rotary
@@ -56,7 +58,7 @@ class MLAttention(nn.Module):
         k_pe = apply_rotary(k_pe, cos, sin, interleave=True)
         cache = batch.kv_cache[self.layer_id]
         entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
-        cache.index_copy_(0, batch.out_slots, entry.to(cache.dtype))
+        KV_STORE.write_entry(cache, batch.out_slots, entry, self.rank)
         selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
         w_uk, w_uv = self.absorbed()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
@@ -64,7 +66,7 @@ class MLAttention(nn.Module):
         out = q_full.new_empty(q_full.shape[0], self.n_heads, self.rank)
         for seq, selected in zip(batch.extends, selection.extends):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            ctx = gather_rows(cache, seq.ctx_slots)
+            ctx = KV_STORE.read_entry(cache, seq.ctx_slots, self.rank, q_full.dtype)
             out[rows] = self._attend_extend(q_full[rows], ctx, seq, selected)
         if batch.decode_rows.numel():
             out[batch.decode_rows] = self._attend_decode(q_full, cache, batch, selection.decode)
@@ -91,10 +93,7 @@ class MLAttention(nn.Module):
 
     def _softmax_attend(self, q, keys, allowed) -> torch.Tensor:
         """q [b, H, 576] over keys [b, L, 576] where allowed [b, L]; returns [b, H, rank]."""
-        scores = torch.einsum("bhc,blc->bhl", q, keys) * self.scale
-        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("bhl,blr->bhr", probs, keys[..., : self.rank])
+        return softmax_attend(q, keys, allowed, self.rank, self.scale)
 
     def _attend_decode(self, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
         """Decode rows attend their whole (padded) context, or only their top-k entries."""
@@ -103,5 +102,5 @@ class MLAttention(nn.Module):
             allowed = allowed & selected
         elif selected is not None:
             slots, allowed = slots.gather(1, selected), allowed.gather(1, selected)  # [Bd, k]
-        ctx = gather_rows(cache, slots).to(q_full.dtype)  # [Bd, L or k, 576]
-        return self._softmax_attend(q_full[batch.decode_rows], ctx, allowed)
+        q = q_full[batch.decode_rows]  # the `sparse_mla` op (kernels/registry.py)
+        return batch.kernels.sparse_mla(q, cache, slots, allowed, self.rank, self.scale)

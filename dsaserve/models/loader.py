@@ -32,6 +32,7 @@ from dsaserve.models.checkpoint_files import (
     tensor_locations,
 )
 from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX, dequantize_block_fp8
+from dsaserve.models.nvfp4 import companion_of, is_nvfp4_weight, read_nvfp4
 
 __all__ = ["CheckpointError", "load_checkpoint"]
 
@@ -102,8 +103,10 @@ def _collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, _Target]
                 by_identity[id(tensor)] = target
             target.names.append(name)
             target.owners.append((module, attr))
-            if name.endswith(FP32_SUFFIXES):
+            if name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
                 target.dtype = torch.float32
+            if tensor.dtype in FP8_DTYPES:
+                target.dtype = tensor.dtype
             by_name[name] = target
     return by_name
 
@@ -139,7 +142,10 @@ class _Loader:
 
     def load(self, name: str, handle: object, file: Path) -> None:
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.locations:
-            return  # read together with its weight
+            if name not in self.targets:  # an FP8 weight kept FP8 loads its scale as is
+                return  # read together with its weight
+        if companion_of(name, self.locations) is not None:
+            return  # an NVFP4 scale, read together with its weight
         target = self.targets.get(name)
         expert = EXPERT_RE.match(name) if target is None else None
         fused = self._fused_target(expert) if expert else None
@@ -149,16 +155,21 @@ class _Loader:
             return
         # Why: dequantising on the target's device (a GPU when there is one) is much faster.
         device = (target or fused).tensor.device
-        tensor = self._read(name, handle, file, device if device.type != "meta" else None)
+        raw = target is not None and target.dtype in FP8_DTYPES  # kept FP8 (kernels/fp8_linear)
+        tensor = self._read(name, handle, file, device if device.type != "meta" else None, raw)
         if target is not None:
             self._place_whole(name, target, tensor)
         else:
             self._place_expert(name, expert, fused, tensor)
 
     def _read(
-        self, name: str, handle: object, file: Path, device: torch.device | None
+        self, name: str, handle: object, file: Path, device: torch.device | None, raw: bool = False
     ) -> torch.Tensor:
         tensor = get_tensor(handle, name, file)
+        if raw:
+            return tensor
+        if is_nvfp4_weight(name, tensor, self.locations):
+            return read_nvfp4(name, tensor.to(device), lambda n: self._sibling(n, handle, file))
         if tensor.dtype not in FP8_DTYPES:
             return tensor
         scale_name = name + SCALE_SUFFIX
@@ -174,6 +185,13 @@ class _Loader:
             return dequantize_block_fp8(tensor.to(device), scale.to(device), self.block)
         except ValueError as exc:
             raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
+
+    def _sibling(self, name: str, handle: object, file: Path) -> torch.Tensor:
+        where = self.locations[name]
+        if where == file:
+            return get_tensor(handle, name, file)
+        with open_safetensors(where) as other:
+            return get_tensor(other, name, where)
 
     def _fused_target(self, expert: re.Match[str]) -> _Target | None:
         kind = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"

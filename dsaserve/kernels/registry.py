@@ -1,0 +1,127 @@
+"""The backend seam: per hot op, named implementations imported lazily, chosen once at start.
+
+Ops (and the flags that pick them, SGLang's names where SGLang has one):
+
+| op | flag | implementations |
+|---|---|---|
+| `indexer` (scores + top-k) | `--dsa-prefill-backend` / `--dsa-decode-backend` | torch, triton |
+| `sparse_mla` (selected entries, absorbed) | `--dsa-decode-backend` | torch, triton |
+| `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
+| `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch |
+| `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton |
+| `sampling` | (none) | torch |
+
+`torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`
+takes the first fast implementation that imports (Triton), else the reference. A backend name
+SGLang accepts but this build has no kernel for (e.g. `flashmla_sparse`) resolves to our own
+Triton kernel on CUDA and is refused on CPU with a one-line error.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+TORCH, TRITON = "torch", "triton"
+
+# op -> backend -> "module:attribute" (imported only when chosen)
+IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    "indexer": {
+        TORCH: "dsaserve.kernels.reference:indexer_decode_topk",
+        TRITON: "dsaserve.kernels.triton_indexer:indexer_decode_topk",
+    },
+    "sparse_mla": {
+        TORCH: "dsaserve.kernels.reference:sparse_mla_decode",
+        TRITON: "dsaserve.kernels.triton_sparse_mla:sparse_mla_decode",
+    },
+    "kv_store": {TORCH: "dsaserve.engine.kv_quant:KV_STORE"},
+    "moe": {TORCH: "dsaserve.layers.moe:Experts"},
+    "fp8_gemm": {
+        TORCH: "dsaserve.kernels.reference:fp8_linear",
+        TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",
+    },
+    "sampling": {TORCH: "dsaserve.layers.sampler:Sampler"},
+}
+
+# SGLang names for its kernels -> the implementation of ours that stands in for them on CUDA
+SGLANG_ATTENTION = ("flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto",
+                    "fa3", "tilelang", "aiter", "trtllm")  # fmt: skip
+ATTENTION_BACKENDS = ("auto", "dsa", "nsa", "torch", "triton")
+DSA_BACKENDS = ("auto", *SGLANG_ATTENTION, "torch", "triton")
+MOE_BACKENDS = ("auto", "torch", "triton", "deep_gemm", "flashinfer_cutlass", "cutlass")
+FP8_GEMM_BACKENDS = ("auto", "torch", "triton", "deep_gemm", "cutlass", "flashinfer_trtllm")
+
+
+class BackendError(ValueError):
+    """A backend flag that cannot work on this device; the message names the flag."""
+
+
+def available(op: str, backend: str) -> bool:
+    """Whether `backend` of `op` imports here (Triton needs its package; on CPU, the
+    interpreter: TRITON_INTERPRET=1 set before the import)."""
+    try:
+        load(op, backend)
+    except (ImportError, RuntimeError):
+        return False
+    return True
+
+
+@functools.cache
+def load(op: str, backend: str) -> Callable:
+    module, _, attr = IMPLEMENTATIONS[op][backend].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def resolve(op: str, requested: str | None, device_type: str, flag: str) -> str:
+    """The backend `op` runs with: `requested` (a flag value; None or auto = choose)."""
+    impls = IMPLEMENTATIONS[op]
+    if requested in (None, "auto", "dsa", "nsa"):
+        if device_type == "cuda" and TRITON in impls and available(op, TRITON):
+            return TRITON
+        return TORCH
+    if requested in impls:
+        if requested == TRITON and device_type != "cuda" and not available(op, TRITON):
+            raise BackendError(f"{flag} triton: needs CUDA (or TRITON_INTERPRET=1 on CPU)")
+        return requested
+    if device_type != "cuda":
+        raise BackendError(f"{flag} {requested}: a CUDA kernel; on CPU use auto or torch")
+    if TRITON in impls and available(op, TRITON):
+        return TRITON  # our Triton kernel stands in for the SGLang-named one
+    raise BackendError(f"{flag} {requested}: no implementation importable here; use torch")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The chosen implementation of each op (names, and the loaded callables)."""
+
+    names: dict[str, str] = field(default_factory=lambda: {op: TORCH for op in IMPLEMENTATIONS})
+
+    def __getattr__(self, op: str) -> Callable:
+        if op.startswith("_") or op not in IMPLEMENTATIONS:
+            raise AttributeError(op)
+        return load(op, self.names[op])
+
+
+def choose_kernels(args: object, device_type: str) -> Kernels:
+    """Resolve every op's backend from the server args (`ServerArgs` fields)."""
+    get = lambda name: getattr(args, name, None)  # noqa: E731
+    names = {
+        "indexer": resolve("indexer", get("dsa_decode_backend"), device_type,
+                           "--dsa-decode-backend"),
+        "sparse_mla": resolve("sparse_mla", get("dsa_decode_backend") or get("attention_backend"),
+                              device_type, "--dsa-decode-backend"),
+        "kv_store": TORCH,
+        "moe": resolve("moe", get("moe_runner_backend"), device_type, "--moe-runner-backend"),
+        "fp8_gemm": resolve("fp8_gemm", get("fp8_gemm_backend"), device_type,
+                            "--fp8-gemm-backend"),
+        "sampling": TORCH,
+    }  # fmt: skip
+    prefill = get("dsa_prefill_backend")
+    if prefill not in (None, "auto", "torch", "triton"):
+        resolve("sparse_mla", prefill, device_type, "--dsa-prefill-backend")  # validate only
+    return Kernels(names)
+
+
+DEFAULT_KERNELS = Kernels()
