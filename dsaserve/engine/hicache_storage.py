@@ -56,6 +56,9 @@ class StorageBackend(ABC):
     @abstractmethod
     def set(self, key: str, blob: bytes) -> bool: ...
 
+    def discard(self, key: str) -> None:  # noqa: B027 (optional)
+        """Forget a page that failed its checks, so a good copy can be written."""
+
     def clear(self) -> None:  # noqa: B027 (optional)
         """Drop every stored page (not called by /flush_cache: storage persists)."""
 
@@ -146,6 +149,11 @@ class FileBackend(StorageBackend):
             _unlink(self._path(key))
             total -= old
 
+    def discard(self, key: str) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+        _unlink(self._path(key))
+
     def clear(self) -> None:
         with self._lock:
             for key in list(self._index):
@@ -218,8 +226,8 @@ class PageCodec:
         """The page in `blob`, or None (logged) if anything about it is wrong."""
         problem, header, payload = self._check(key, blob)
         if problem is not None:
-            logger.warning("HiCache storage: skipped page %s: %s; it is recomputed", key[:16],
-                           problem)  # fmt: skip
+            logger.warning("HiCache storage: skipped page %s: %s; it is recomputed (and the "
+                           "file replaced)", key[:16], problem)  # fmt: skip
             return None
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         kv = raw[: self.kv_bytes].view(self.dtype).view(self.kv_shape)
@@ -338,6 +346,7 @@ class StorageTier:
         page = self.codec.decode(key, blob)
         if page is None:
             self.counters["hicache_storage_rejected_pages"] += 1
+            self.backend.discard(key)
             return None
         self.counters["hicache_storage_read_pages"] += 1
         self.counters["hicache_storage_read_bytes"] += len(blob)
