@@ -72,7 +72,8 @@ def test_restart_reads_storage_bit_exact(checkpoint, expected, tmp_path, policy)
     assert result(outs) == expected  # tokens and logprobs, bit for bit
     assert [o.cached_tokens for o in outs] == [64, 64]
     stats = restarted.engine.stats()
-    assert stats["hicache_storage_hit_tokens"] == 128 and stats["hicache_storage_rejected_pages"] == 0
+    assert stats["hicache_storage_hit_tokens"] == 128
+    assert stats["hicache_storage_rejected_pages"] == 0
     check_tree(restarted.engine.cache)
 
 
