@@ -153,6 +153,8 @@ def _check(args: ServerArgs) -> None:
                 raise ValueError
         except ValueError as e:
             raise ArgsError("--hicache-storage-backend-extra-config must be a JSON object") from e
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise ArgsError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_ratio <= 0 or args.hicache_size < 0:
         raise ArgsError(
             "--hicache-ratio must be > 0 and --hicache-size >= 0 (GB; 0: use the ratio)"
