@@ -156,3 +156,26 @@ def test_flush_cache_clears_device_and_host(checkpoint):
     stats = llm.engine.stats()
     assert stats["hicache_host_used_tokens"] == 0 and stats["kv_cached_tokens"] == 0
     assert llm.generate([A[1]], GREEDY, use_tqdm=False)[0].cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--hicache-storage-backend", "file"], "needs --enable-hierarchical-cache"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend-extra-config", "[1]"],
+         "must be a JSON object"),
+        (["--enable-hierarchical-cache", "--hicache-ratio", "0"], "--hicache-ratio must be > 0"),
+    ],
+)  # fmt: skip
+def test_bad_hicache_flags_are_refused(flags, message):
+    from dsaserve.args import ArgsError, ServerArgs
+
+    with pytest.raises(ArgsError, match=message):
+        ServerArgs.from_cli(flags)
+
+
+def test_hierarchy_needs_the_radix_cache(checkpoint):
+    from dsaserve.args import ArgsError
+
+    with pytest.raises(ArgsError, match="needs the radix cache"):
+        LLM(checkpoint, enable_hierarchical_cache=True, disable_radix_cache=True)
