@@ -179,3 +179,22 @@ def test_hierarchy_needs_the_radix_cache(checkpoint):
 
     with pytest.raises(ArgsError, match="needs the radix cache"):
         LLM(checkpoint, enable_hierarchical_cache=True, disable_radix_cache=True)
+
+
+@pytest.mark.parametrize(
+    "policy, host_after",
+    [("write_through", [72, 80, 152]), ("write_through_selective", [0, 64, 64]),
+     ("write_back", [0, 0, 80])],
+)  # fmt: skip
+def test_write_policies_copy_to_host_when_sglang_does(checkpoint, policy, host_after):
+    """Host tokens after: the first request (its 9 pages inserted = hit 1), a second sharing its
+    first 8 pages (hit 2 for those; one new page), then a request of another prefix that evicts
+    the first two from the device. write_through copies every insert; selective copies the 8
+    shared pages on their second hit only; write_back copies what the eviction demotes."""
+    llm = LLM(checkpoint, page_size=PAGE, max_total_tokens=POOL, enable_hierarchical_cache=True,
+              hicache_write_policy=policy)  # fmt: skip
+    seen = []
+    for prompt in (A[0], A[1], B[0]):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+        seen.append(llm.engine.stats()["hicache_host_used_tokens"])
+    assert seen == host_after

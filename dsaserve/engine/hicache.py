@@ -107,9 +107,9 @@ class HiRadixCache(RadixCache):
         return per_slot * num_pages * self.page_size
 
     def host_page(self, host_page: int) -> PageTensors:
-        """A copy of one host page's tensors (what storage receives)."""
+        """A copy of one host page's tensors (what storage receives; indexing copies)."""
         hs = page_slots([host_page], self.page_size)
-        return PageTensors(self.host.kv_cache[:, hs].clone(), self.host.index_cache[:, hs].clone())
+        return PageTensors(self.host.kv_cache[:, hs], self.host.index_cache[:, hs])
 
     # ---- device -> host -----------------------------------------------------------------------
     def _on_visit(self, node: TreeNode) -> None:
