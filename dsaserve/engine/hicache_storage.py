@@ -15,6 +15,7 @@ user class named in `--hicache-storage-backend-extra-config` (`module_path`, `cl
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib
 import json
@@ -22,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
@@ -36,6 +38,7 @@ FORMAT_VERSION = 1
 DEFAULT_DIR = "/tmp/hicache"  # SGLang's HiCacheFile default
 DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # SGLang's variable for the file backend
 DEFAULT_MAX_SIZE_GB = 10.0
+EXIT_DRAIN_S = 10.0  # how long a normal exit waits for queued writes (then they are dropped)
 
 
 class PageTensors(NamedTuple):
@@ -309,6 +312,7 @@ class StorageTier:
         self._writes: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
         self._writer.start()
+        atexit.register(self._drain_at_exit)
 
     def exists(self, key: str) -> bool:
         return self.backend.exists(key)
@@ -334,6 +338,11 @@ class StorageTier:
     def drain(self) -> None:
         """Block until every queued write is done (tests, benchmarks, shutdown)."""
         self._writes.join()
+
+    def _drain_at_exit(self) -> None:
+        deadline = time.monotonic() + EXIT_DRAIN_S
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def read(self, key: str) -> PageTensors | None:
         try:
