@@ -55,6 +55,7 @@ class ServerArgs:
     default_chat_template_kwargs: str | None = None
     enable_metrics: bool = False
     enable_cache_report: bool = False
+    keep_anthropic_billing_header: bool = False
     max_queued_requests: int | None = None
     watchdog_timeout: float = 300.0
     shutdown_timeout: float = 30.0
@@ -93,6 +94,11 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: int = 0
     hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "layer_first"
+    hicache_io_backend: str = "direct"
+    hicache_storage_backend: str | None = None
+    hicache_storage_backend_extra_config: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
     # parallelism
     tp_size: int = 1
     dp_size: int = 1
@@ -186,6 +192,18 @@ def _check(args: ServerArgs) -> None:
     for name in ("disaggregation_timeout", "disaggregation_heartbeat_interval"):
         if getattr(args, name) <= 0:
             raise ArgsError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.hicache_storage_backend_extra_config:
+        try:
+            if not isinstance(json.loads(args.hicache_storage_backend_extra_config), dict):
+                raise ValueError
+        except ValueError as e:
+            raise ArgsError("--hicache-storage-backend-extra-config must be a JSON object") from e
+    if args.hicache_storage_backend and not args.enable_hierarchical_cache:
+        raise ArgsError("--hicache-storage-backend needs --enable-hierarchical-cache")
+    if args.hicache_ratio <= 0 or args.hicache_size < 0:
+        raise ArgsError(
+            "--hicache-ratio must be > 0 and --hicache-size >= 0 (GB; 0: use the ratio)"
+        )
     if args.speculative_algorithm in (None, "EAGLE", "NEXTN"):
         speculative_settings(args)  # other algorithms parse (SGLang's names) and fail at start
 
@@ -236,7 +254,6 @@ def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
             )
     features = {
         "enable_dp_attention": "--enable-dp-attention",
-        "enable_hierarchical_cache": "--enable-hierarchical-cache",
         "enable_prefill_cp": "--enable-prefill-cp",
     }
     for name, flag in features.items():
@@ -286,6 +303,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
     f("--enable-metrics", **on)
     f("--enable-cache-report", **on)
+    f(
+        "--keep-anthropic-billing-header",
+        **on,
+        help="keep Claude Code's per-request x-anthropic-billing-header system line in the prompt",
+    )
     f("--max-queued-requests", type=int)
     f("--watchdog-timeout", type=float)
     f("--shutdown-timeout", type=float)
@@ -320,6 +342,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--hicache-ratio", type=float)
     f("--hicache-size", type=int)
     f("--hicache-write-policy", choices=["write_through", "write_through_selective", "write_back"])
+    f("--hicache-mem-layout", choices=["layer_first", "page_first", "page_first_direct"])
+    f("--hicache-io-backend", choices=["direct", "kernel", "kernel_ascend"])
+    f("--hicache-storage-backend", choices=["file", "dynamic"])
+    f(
+        "--hicache-storage-backend-extra-config",
+        help="JSON: file_path, max_size_gb, "
+        "prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, ...",
+    )
+    f("--hicache-storage-prefetch-policy", choices=["best_effort", "wait_complete", "timeout"])
     f("--tp-size", "--tp", "--tensor-parallel-size", type=int)
     f("--dp-size", "--dp", "--data-parallel-size", type=int)
     f("--ep-size", "--ep", "--expert-parallel-size", type=int)

@@ -100,7 +100,7 @@ def test_cli_version_and_help():
     "flags, message",
     [
         (["--tp", "8"], "--tp-size 8"),
-        (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+        (["--enable-prefill-cp"], "--enable-prefill-cp"),
         (
             ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"],
             "--disaggregation-transfer-backend fake",

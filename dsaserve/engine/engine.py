@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,7 +107,7 @@ class Engine:
         self.pool = KVPool(
             cfg, num_pages, page_size, index_layers, mtp, stored, self.device, fp8=fp8
         )
-        self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
+        self.cache = self._make_cache(page_size)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
                       self.pool.num_tokens - self.spec_steps)  # fmt: skip
@@ -122,6 +123,13 @@ class Engine:
             share = cfg.index_share_for_mtp_iteration
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
+
+    def _make_cache(self, page_size: int) -> RadixCache:
+        if not self.args.enable_hierarchical_cache:
+            return RadixCache(self.pool.pages, page_size, enabled=not self.args.disable_radix_cache)
+        from dsaserve.engine.hicache import build_hicache
+
+        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -202,6 +210,8 @@ class Engine:
         KV freed, nothing cached from the failed run); the engine serves everyone else."""
         scheduled = self.scheduler.schedule()
         if scheduled is None:
+            if self.has_work():
+                time.sleep(0.001)  # only waiting on a storage prefetch: let its thread run
             return []
         try:
             self._count_prompt(scheduled)
@@ -307,13 +317,13 @@ class Engine:
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
             **(self.spec.report.stats() if self.spec is not None else {}),
+            **cache.tier_stats(),
         }
 
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
-        self.cache.evict(self.pool.pages.num_pages)
-        self.cache.reset()
+        self.cache.clear()  # device and host tiers; a storage tier persists
         return True
 
 

@@ -52,6 +52,7 @@ class Scheduler:
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
+        self.cache.start_prefetch(req.rid, req.fill_ids)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,6 +66,8 @@ class Scheduler:
             budget -= self._schedule_chunk(batch, req, budget)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
+            if not self.cache.prefetch_ready(req.rid, busy=bool(batch.reqs)):
+                break
             if not self._admit(req):
                 break
             self.waiting.popleft()
@@ -103,7 +106,7 @@ class Scheduler:
     def _admit(self, req: Req) -> bool:
         """Match the cached prefix and check the KV for the whole fill plus decode headroom."""
         fill = req.fill_ids
-        pages, node = self.cache.match_prefix(fill)
+        pages, node = self.cache.match_prefix(fill, req.rid)
         needed = math.ceil(len(fill) / self.pool.page_size) - len(pages) + len(self.running)
         if self.pool.pages.num_free + self.cache.evictable_pages < needed and self.running:
             return False
@@ -151,6 +154,7 @@ class Scheduler:
         self.num_retractions += 1
 
     def finish(self, req: Req) -> None:
+        self.cache.cancel_prefetch(req.rid)
         self.release(req)
         if req in self.running:
             self.running.remove(req)

@@ -155,6 +155,9 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     async def flush_cache(state: ServerState, request: Request) -> Any:
         if not await state.engine.control("flush_cache"):
             raise APIError(400, "cache not flushed: requests are running or waiting")
+        if state.args.enable_hierarchical_cache:
+            kept = " (the storage tier is kept)" if state.args.hicache_storage_backend else ""
+            return {"success": True, "message": f"flushed the device and host KV tiers{kept}"}
         return {"success": True}
 
     @route("/abort_request", ["POST"], body=AbortIn)

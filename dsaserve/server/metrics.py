@@ -1,6 +1,7 @@
 """Prometheus metrics (`/metrics`, with `--enable-metrics`), under SGLang's metric names so
 existing dashboards work: TTFT, inter-token latency, end-to-end latency, token counters,
-throughput, running/queued requests, KV usage, cache hit rate, speculative accept length."""
+throughput, running/queued requests, KV usage, cache hit rate, speculative accept length, and
+HiCache's per-tier hits, bytes moved and load time (cumulative, from the engine's stats)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,39 @@ class Metrics:
             "spec_accept_rate": "Speculative accept rate (correct / proposed drafts)",
         }  # fmt: skip
         self.gauges = {k: Gauge(f"sglang:{k}", h, labels, registry=r) for k, h in gauges.items()}
+        self._init_hicache(labels)
         self.model = model_name
         self.started: dict[str, float] = {}
         self.last_seen: dict[str, float] = {}
         self.recent_tokens: deque[tuple[float, int]] = deque()
+
+    def _init_hicache(self, labels: list[str]) -> None:
+        r = self.registry
+        tier, direction = labels + ["tier"], labels + ["direction"]
+        self.hicache_hits = Gauge("sglang:hicache_hit_tokens", "Prefix tokens served per tier "
+                                  "(cumulative)", tier, registry=r)  # fmt: skip
+        self.hicache_bytes = Gauge("sglang:hicache_transfer_bytes", "KV bytes moved between tiers "
+                                   "(cumulative)", direction, registry=r)  # fmt: skip
+        self.hicache_seconds = Gauge("sglang:hicache_load_seconds", "Time loading KV to the "
+                                     "device (cumulative)", tier, registry=r)  # fmt: skip
+        self.hicache_host_usage = Gauge("sglang:hicache_host_token_usage", "HiCache host tier "
+                                        "usage (0-1)", labels, registry=r)  # fmt: skip
+
+    def _render_hicache(self, stats: dict) -> None:
+        if "hicache_host_total_tokens" not in stats:
+            return
+        m = self.model
+        for tier in ("device", "host", "storage"):
+            self.hicache_hits.labels(m, tier).set(stats.get(f"hicache_{tier}_hit_tokens", 0))
+        directions = {"device_to_host": "hicache_d2h_bytes", "host_to_device": "hicache_h2d_bytes",
+                      "storage_to_device": "hicache_storage_load_bytes",
+                      "host_to_storage": "hicache_storage_write_bytes"}  # fmt: skip
+        for direction, key in directions.items():
+            self.hicache_bytes.labels(m, direction).set(stats.get(key, 0))
+        self.hicache_seconds.labels(m, "host").set(stats.get("hicache_h2d_seconds", 0.0))
+        self.hicache_seconds.labels(m, "storage").set(stats.get("hicache_storage_load_seconds", 0))
+        total = stats["hicache_host_total_tokens"] or 1
+        self.hicache_host_usage.labels(m).set(stats.get("hicache_host_used_tokens", 0) / total)
 
     def on_submit(self, rid: str) -> None:
         self.started[rid] = time.monotonic()
@@ -95,6 +125,7 @@ class Metrics:
         }
         for name, value in values.items():
             self.gauges[name].labels(self.model).set(float(value))
+        self._render_hicache(stats)
         return generate_latest(self.registry)
 
     def _throughput(self) -> float:

@@ -30,20 +30,21 @@ from dsaserve.server.state import ServerState
 from dsaserve.server.validation import validation_error
 
 
-def _chat(req: MessagesRequest) -> ChatCompletionRequest:
+def _chat(state: ServerState, req: MessagesRequest) -> ChatCompletionRequest:
+    body = to_chat_request(req, state.args.keep_anthropic_billing_header)
     try:
-        return ChatCompletionRequest.model_validate(to_chat_request(req))
+        return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from e
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict:
-    prepared = await asyncio.to_thread(prepare_chat, state, _chat(req), True)
+    prepared = await asyncio.to_thread(prepare_chat, state, _chat(state, req), True)
     return {"input_tokens": len(prepared.input_ids)}
 
 
 async def messages(state: ServerState, req: MessagesRequest, raw: Request) -> Any:
-    chat = _chat(req)
+    chat = _chat(state, req)
     prepared = await asyncio.to_thread(prepare_chat, state, chat)
     requests = state.tokenizer_manager.make_requests(prepared.input_ids, prepared.sampling, None)
     streams = await state.engine.submit(requests)

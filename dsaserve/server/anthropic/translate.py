@@ -3,27 +3,29 @@
 System text (string or blocks) leads; `tool_use` becomes `tool_calls`; `tool_result` becomes a
 `tool` message (text before it in the same message is sent first, so order holds); `thinking`
 blocks become the assistant's `reasoning_content`; `cache_control` is ignored, and Claude Code's
-volatile `x-anthropic-billing-header` system block is dropped, so the prompt prefix stays
-cacheable (field reports D27, D28).
+per-request attribution line (`x-anthropic-billing-header: ...; cch=<hash>;`, a block of its own
+or the first line of the system text) is dropped, so the prompt prefix stays cacheable (field
+reports D27, D28; vLLM does the same, PR 36829). `--keep-anthropic-billing-header` keeps it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from dsaserve.server.anthropic.protocol import Block, MessagesRequest, TextBlock, ToolChoice
 from dsaserve.server.errors import bad_request
 
-BILLING_HEADER = "x-anthropic-billing-header"
+BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:[^\n]*(\n|$)")
 SERVER_TOOL_PREFIXES = ("web_search_", "computer_", "bash_", "text_editor_", "code_execution_")
 EFFORT = {"xhigh": "max"}
 
 
-def to_chat_request(req: MessagesRequest) -> dict:
+def to_chat_request(req: MessagesRequest, keep_billing_header: bool = False) -> dict:
     """The OpenAI chat request body equivalent to an Anthropic Messages request."""
     messages: list[dict] = []
-    system = _system_text(req.system)
+    system = _system_text(req.system, keep_billing_header)
     if system:
         messages.append({"role": "system", "content": system})
     for i, message in enumerate(req.messages):
@@ -50,11 +52,14 @@ def to_chat_request(req: MessagesRequest) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def _system_text(system: str | list[TextBlock] | None) -> str:
-    if system is None or isinstance(system, str):
-        return system or ""
-    texts = [b.text for b in system]
-    return "\n".join(t for t in texts if not t.lstrip().startswith(BILLING_HEADER))
+def _system_text(system: str | list[TextBlock] | None, keep_billing_header: bool = False) -> str:
+    texts = (
+        [system or ""] if system is None or isinstance(system, str) else [b.text for b in system]
+    )
+    if not keep_billing_header:
+        stripped = [BILLING_LINE.sub("", t, count=1) for t in texts]
+        texts = [new for new, old in zip(stripped, texts) if new or new == old]
+    return "\n".join(texts)
 
 
 def _convert(role: str, content: str | list[Block], param: str) -> list[dict]:
