@@ -115,7 +115,11 @@ def write_converter_layout(checkpoint: Path, out: Path) -> Path:
     """A copy of `checkpoint` (safetensors, config, tokenizer) with per-expert tensors."""
     out.mkdir(parents=True, exist_ok=True)
     for file in checkpoint.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and file.name != "model.safetensors.index.json":
+        if (
+            file.is_file()
+            and file.suffix != ".safetensors"
+            and file.name != "model.safetensors.index.json"
+        ):
             shutil.copy2(file, out / file.name)
     tensors: dict[str, torch.Tensor] = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
