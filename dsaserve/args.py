@@ -63,6 +63,10 @@ class ServerArgs:
     dsa_decode_backend: str | None = None
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # CPU decode step (dsaserve/engine/decode_step.py)
+    disable_fused_decode: bool = False
+    enable_torch_compile: bool = False
+    threads: int | None = None
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
@@ -119,7 +123,8 @@ def _check(args: ServerArgs) -> None:
     for name in positive:
         if getattr(args, name) < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ["max_total_tokens", "page_size", "max_running_requests", "max_queued_requests"]:
+    for name in ["max_total_tokens", "page_size", "max_running_requests", "max_queued_requests",
+                 "threads"]:  # fmt: skip
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -256,6 +261,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--dsa-decode-backend", "--nsa-decode-backend", choices=backends)
     f("--disable-cuda-graph", **on)
     f("--cuda-graph-max-bs", type=int)
+    f("--disable-fused-decode", **on)
+    f("--enable-torch-compile", **on)
+    f("--threads", type=int)
     f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])
     f("--speculative-num-steps", type=int)
     f("--speculative-eagle-topk", type=int)
