@@ -13,7 +13,8 @@ all decode rows, with:
   per step for every layer), instead of ~11 slicing/elementwise ops.
 - `torch.rms_norm` / `layer_norm` kernels instead of the composite norms.
 
-Attention, the indexer's selection and the experts reuse the layers' own methods. Every output
+- attention and the indexer's scores in bmm form with the absorbed W_UK / W_UV pre-laid-out
+  (no einsum dispatch); the experts and the router are the layers' own. Every output
 element is the same dot product as in the layered path, so results agree to float rounding
 (fp32 logprobs within 1e-5, same greedy tokens: tests/test_fused_decode.py). Prefill, mixed
 batches, the MTP layer and models not in plain fp32 linears (bf16, FP8) keep the layered path.
@@ -27,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
+from dsaserve.layers.topk import topk_earliest
 
 
 class LayerWeights(NamedTuple):
@@ -38,6 +40,8 @@ class LayerWeights(NamedTuple):
     b_in: torch.Tensor | None
     w_qres: torch.Tensor  # [heads * qk_head (+ nI * dI), q_lora]
     mlp_gate_up: torch.Tensor  # [2 I, H] of the dense MLP or the shared expert
+    w_uk: torch.Tensor  # [H, nope, rank] (contiguous copy of kv_b_proj's key half)
+    w_uv_t: torch.Tensor  # [H, rank, v]
     split_in: list[int]
     split_qres: list[int]
 
@@ -67,11 +71,14 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     if any(b is not None for b in biases):
         b_in = torch.cat([b if b is not None else w_in.new_zeros(m.weight.shape[0])
                           for b, m in zip(biases, into)])  # fmt: skip
+    w_uk, w_uv = attn.absorbed()
     return LayerWeights(
         w_in,
         b_in,
         torch.cat([m.weight for m in from_q]),
         torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
+        w_uk.contiguous(),
+        w_uv.transpose(1, 2).contiguous(),
         [m.weight.shape[0] for m in into],
         [m.weight.shape[0] for m in from_q],
     )
@@ -95,6 +102,29 @@ def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """x [T, ..., d] @ rot [T, d, d], the middle dims flattened into the batched GEMM."""
     shape = x.shape
     return torch.bmm(x.reshape(shape[0], -1, shape[-1]), rot).view(shape)
+
+
+def _attend(attn: MLAttention, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
+    """MLAttention._attend_decode for all-decode rows, in bmm form: q [T, H, 576] over each
+    row's whole padded context or its top-k entries; returns [T, H, rank]."""
+    slots, allowed = batch.decode_slots, batch.decode_valid
+    if selected is not None:
+        slots, allowed = slots.gather(1, selected), allowed.gather(1, selected)  # [T, k]
+    ctx = gather_rows(cache, slots)  # [T, L or k, 576]
+    scores = torch.bmm(q_full, ctx.transpose(1, 2)) * attn.scale  # [T, H, L]
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1), ctx[..., : attn.rank])
+
+
+def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
+    """Indexer._select_decode for all-decode rows, in bmm form."""
+    if batch.decode_slots.shape[1] <= indexer.topk:
+        return None
+    keys = gather_rows(cache, batch.decode_slots)  # [T, L, dI]
+    scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)))  # [T, nI, L]
+    scores = torch.bmm(weights[:, None, :], scores)[:, 0]  # [T, L]
+    scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
+    return topk_earliest(scores, indexer.topk)
 
 
 class FusedDecode:
@@ -160,12 +190,11 @@ class FusedDecode:
         cache.index_copy_(0, batch.out_slots, entry.to(cache.dtype))
         if attn.indexer is not None:
             shared = self._indexer(attn.indexer, parts[2], parts[3], q_parts[1], rots[1])
-        w_uk, w_uv = attn.absorbed()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat([q_lat, _rotate(q_pe, rots[0])], -1)  # [T, H, 576]
-        out = attn._attend_decode(q_full, cache, batch, shared.decode)
-        out = torch.einsum("thr,hvr->thv", out, w_uv).reshape(tokens, -1)
-        return attn.o_proj(out), shared
+        out = _attend(attn, q_full, cache, batch, shared.decode)  # [T, H, rank]
+        out = torch.bmm(out.transpose(0, 1), weights.w_uv_t).transpose(0, 1)  # [T, H, v]
+        return attn.o_proj(out.reshape(tokens, -1)), shared
 
     def _indexer(self, indexer: Indexer, k, weights, q, rot) -> Selection:
         batch = current_batch()
@@ -178,7 +207,7 @@ class FusedDecode:
         cache = batch.index_cache[indexer.cache_index]
         cache.index_copy_(0, batch.out_slots, k.to(cache.dtype))
         weights = weights.float() * (indexer.n_heads**-0.5 * indexer.head_dim**-0.5)
-        return Selection([], indexer._select_decode(batch, q, weights, cache))
+        return Selection([], _select(indexer, batch, q, weights, cache))
 
     @staticmethod
     def _ffn(mlp: nn.Module, weights: LayerWeights, x: torch.Tensor) -> torch.Tensor:
