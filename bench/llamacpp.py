@@ -17,6 +17,7 @@ own `timings` giving prefill and decode rates; dsaserve is the in-process engine
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -250,13 +251,21 @@ def dsaserve_chats(engine, prompts: list[list[int]], new: int, tag: str) -> floa
 
 
 # ---- the run ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _reference(model_path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # the MTP layer's weights are "unexpected" to it
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
 def reference_greedy(model_path: Path, prompt: list[int], new: int) -> list[int]:
     """transformers' greedy tokens by full forwards (its own cache path is not the reference)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ids = list(prompt)
+    model, ids = _reference(model_path), list(prompt)
     with torch.no_grad():
         for _ in range(new):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
