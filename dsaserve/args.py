@@ -84,6 +84,10 @@ class ServerArgs:
     fp8_gemm_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # CPU decode step (dsaserve/engine/decode_step.py)
+    disable_fused_decode: bool = False
+    enable_torch_compile: bool = False
+    threads: int | None = None
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
@@ -158,6 +162,7 @@ def _check(args: ServerArgs) -> None:
         "max_queued_requests",
         "max_n",
         "max_sequences_per_request",
+        "threads",
     ]:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -334,6 +339,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--fp8-gemm-backend", choices=list(FP8_GEMM_BACKENDS))
     f("--disable-cuda-graph", **on)
     f("--cuda-graph-max-bs", type=int)
+    f("--disable-fused-decode", **on)
+    f("--enable-torch-compile", **on)
+    f("--threads", type=int)
     f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])
     f("--speculative-num-steps", type=int)
     f("--speculative-eagle-topk", type=int)

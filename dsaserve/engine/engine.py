@@ -17,6 +17,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
+from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
@@ -46,6 +47,8 @@ class Engine:
     def __init__(self, args: ServerArgs, show_progress: bool = True) -> None:
         self.args = args
         self.device = _device(args.device)
+        if args.threads is not None:  # default: torch's (OMP_NUM_THREADS, else the cores)
+            torch.set_num_threads(args.threads)
         refuse_unrunnable(args, self.device.type)
         self.kernels = choose_kernels(args, self.device.type)
         spec = speculative_settings(args)
@@ -117,7 +120,12 @@ class Engine:
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
-        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels)
+        # The fused decode path reads the pool and the weights itself: only over the torch
+        # kernels and a cache in the compute dtype (an FP8 cache or Triton kernels: layered).
+        plain = not fp8 and set(self.kernels.names.values()) == {"torch"}
+        step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
+                                args.enable_torch_compile)  # fmt: skip
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step)
         self.spec = None
         if mtp:
             share = cfg.index_share_for_mtp_iteration

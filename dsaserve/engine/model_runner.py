@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.scheduler import ScheduledBatch
@@ -19,11 +20,13 @@ class ModelRunner:
         pool: KVPool,
         device: torch.device,
         kernels: Kernels = DEFAULT_KERNELS,
+        decode_step: DecodeStep | None = None,
     ) -> None:
         self.kernels = kernels
         self.model = model
         self.pool = pool
         self.device = device
+        self.decode_step = decode_step  # the all-decode forward (dsaserve/engine/decode_step.py)
 
     def forward(
         self, scheduled: ScheduledBatch, all_rows: bool = False
@@ -34,7 +37,8 @@ class ModelRunner:
         if all_rows:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         with forward_context(batch):
-            hidden = self.model()
+            step = self.decode_step
+            hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
 
     def build(

@@ -1,0 +1,220 @@
+"""A decode-only forward over the model's own weights with fewer, larger ops (CPU per-step cost).
+
+A decode step at small batch costs per-op overhead, not weight reads: each layer runs ~170 small
+PyTorch ops. This path runs the same math as `DsaMoeForCausalLM.forward` for batches that are
+all decode rows, with:
+
+- one GEMM for everything that reads a layer's normed input x (q_a_proj | kv_a_proj_with_mqa |
+  indexer wk | indexer weights_proj) and one for everything that reads q_resid (q_b_proj |
+  indexer wq_b); the shared expert's (and dense MLP's) gate and up in one GEMM. The fused
+  weights are built once at load time and share nothing with the modules' parameters (which stay
+  as the checkpoint names them).
+- rotary as one batched matmul per rotated tensor with per-step [T, d, d] rotations (built once
+  per step for every layer), instead of ~11 slicing/elementwise ops.
+- `torch.rms_norm` / `layer_norm` kernels instead of the composite norms.
+
+- attention and the indexer's scores in bmm form with the absorbed W_UK / W_UV pre-laid-out
+  (no einsum dispatch); the experts and the router are the layers' own. Every output
+element is the same dot product as in the layered path, so results agree to float rounding
+(fp32 logprobs within 1e-5, same greedy tokens: tests/test_fused_decode.py). Prefill, mixed
+batches, the MTP layer and models not in plain fp32 linears (bf16, FP8) keep the layered path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
+from dsaserve.layers.indexer import Indexer, Selection
+from dsaserve.layers.mla import MLAttention
+from dsaserve.layers.moe import MLP, MoE
+from dsaserve.layers.topk import topk_earliest
+
+
+class LayerWeights(NamedTuple):
+    w_in: torch.Tensor  # [q_lora + rank + rope (+ dI + nI), H]
+    b_in: torch.Tensor | None
+    w_qres: torch.Tensor  # [heads * qk_head (+ nI * dI), q_lora]
+    mlp_gate_up: torch.Tensor  # [2 I, H] of the dense MLP or the shared expert
+    w_uk: torch.Tensor  # [H, nope, rank] (contiguous copy of kv_b_proj's key half)
+    w_uv_t: torch.Tensor  # [H, rank, v]
+    split_in: list[int]
+    split_qres: list[int]
+
+
+def _plain(*modules: nn.Module) -> bool:
+    return all(type(m) in (nn.Linear, nn.LayerNorm) for m in modules)
+
+
+def _fused_weights(layer: nn.Module) -> LayerWeights | None:
+    attn: MLAttention = layer.self_attn
+    ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
+    if ffn is None:
+        return None
+    into = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
+    from_q = [attn.q_b_proj]
+    if attn.indexer is not None:
+        into += [attn.indexer.wk, attn.indexer.weights_proj]
+        from_q.append(attn.indexer.wq_b)
+    linears = [*into, *from_q, attn.o_proj, ffn.gate_proj, ffn.up_proj, ffn.down_proj]
+    # fp32 only: in bf16 the layered path's roundings (norms upcast, rotary per product) are
+    # what the bf16 path-agreement bounds of docs/determinism.md were measured on.
+    if not _plain(*linears) or {m.weight.dtype for m in linears} != {torch.float32}:
+        return None
+    w_in = torch.cat([m.weight for m in into])
+    biases = [m.bias for m in into]
+    b_in = None
+    if any(b is not None for b in biases):
+        b_in = torch.cat([b if b is not None else w_in.new_zeros(m.weight.shape[0])
+                          for b, m in zip(biases, into)])  # fmt: skip
+    w_uk, w_uv = attn.absorbed()
+    return LayerWeights(
+        w_in,
+        b_in,
+        torch.cat([m.weight for m in from_q]),
+        torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
+        w_uk.contiguous(),
+        w_uv.transpose(1, 2).contiguous(),
+        [m.weight.shape[0] for m in into],
+        [m.weight.shape[0] for m in from_q],
+    )
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """[T, d, d] matrices R with x @ R == apply_rotary(x, cos, sin, interleave) per row."""
+    tokens, half = cos.shape
+    rot = cos.new_zeros(tokens, 2 * half, 2 * half)
+    idx = torch.arange(half)
+    first, second = (2 * idx, 2 * idx + 1) if interleave else (idx, idx + half)
+    # out[:, :half] = x1 cos - x2 sin; out[:, half:] = x2 cos + x1 sin
+    rot[:, first, idx] = cos
+    rot[:, second, idx] = -sin
+    rot[:, second, idx + half] = cos
+    rot[:, first, idx + half] = sin
+    return rot
+
+
+def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., d] @ rot [T, d, d], the middle dims flattened into the batched GEMM."""
+    shape = x.shape
+    return torch.bmm(x.reshape(shape[0], -1, shape[-1]), rot).view(shape)
+
+
+def _attend(attn: MLAttention, q_full, cache, batch: ForwardBatch, selected) -> torch.Tensor:
+    """MLAttention._attend_decode for all-decode rows, in bmm form: q [T, H, 576] over each
+    row's whole padded context or its top-k entries; returns [T, H, rank]."""
+    slots, allowed = batch.decode_slots, batch.decode_valid
+    if selected is not None:
+        slots, allowed = slots.gather(1, selected), allowed.gather(1, selected)  # [T, k]
+    ctx = gather_rows(cache, slots)  # [T, L or k, 576]
+    scores = torch.bmm(q_full, ctx.transpose(1, 2)) * attn.scale  # [T, H, L]
+    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+    return torch.bmm(scores.softmax(dim=-1), ctx[..., : attn.rank])
+
+
+def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
+    """Indexer._select_decode for all-decode rows, in bmm form."""
+    if batch.decode_slots.shape[1] <= indexer.topk:
+        return None
+    keys = gather_rows(cache, batch.decode_slots)  # [T, L, dI]
+    scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)))  # [T, nI, L]
+    scores = torch.bmm(weights[:, None, :], scores)[:, 0]  # [T, L]
+    scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
+    return topk_earliest(scores, indexer.topk)
+
+
+class FusedDecode:
+    """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable."""
+
+    def __init__(self, model: nn.Module, weights: list[LayerWeights]) -> None:
+        self.model = model
+        self.weights = weights
+        self.indexer_interleave = model.config.indexer_rope_interleave
+
+    @classmethod
+    def build(cls, model: nn.Module) -> FusedDecode | None:
+        layers = model.model.layers[: model.config.num_hidden_layers]
+        weights = [_fused_weights(layer) for layer in layers]
+        if any(w is None for w in weights):
+            return None
+        return cls(model, weights)
+
+    @staticmethod
+    def accepts(batch: ForwardBatch) -> bool:
+        """All rows are decode rows (in order): no prefill chunk, no extend run."""
+        rows = batch.decode_rows.numel()
+        return not batch.extends and rows == batch.input_ids.shape[0] and rows > 0
+
+    @torch.inference_mode()
+    def forward(self) -> torch.Tensor:
+        batch = current_batch()
+        model = self.model
+        x = model.model.embed_tokens(batch.input_ids)
+        cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        rot = rotation(cos, sin, interleave=True)
+        rot_index = rot if self.indexer_interleave else rotation(cos, sin, interleave=False)
+        selection = None
+        for layer, weights in zip(model.model.layers, self.weights):
+            x, selection = self._layer(layer, weights, x, (rot, rot_index), selection)
+        norm = model.model.norm
+        return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+    def _layer(self, layer, weights: LayerWeights, x, rots, shared: Selection | None):
+        ln = layer.input_layernorm
+        h = torch.rms_norm(x, ln.weight.shape, ln.weight, ln.eps)
+        attn, selection = self._attention(layer.self_attn, weights, h, rots, shared)
+        x = x + attn
+        ln = layer.post_attention_layernorm
+        h = torch.rms_norm(x, ln.weight.shape, ln.weight, ln.eps)
+        return x + self._ffn(layer.mlp, weights, h), selection
+
+    def _attention(self, attn: MLAttention, weights: LayerWeights, x, rots, shared):
+        batch = current_batch()
+        tokens, heads = x.shape[0], attn.n_heads
+        parts = F.linear(x, weights.w_in, weights.b_in).split(weights.split_in, dim=-1)
+        q_a, kv = parts[0], parts[1]
+        ln = attn.q_a_layernorm
+        q_resid = torch.rms_norm(q_a, ln.weight.shape, ln.weight, ln.eps)
+        q_parts = F.linear(q_resid, weights.w_qres).split(weights.split_qres, dim=-1)
+        q = q_parts[0].view(tokens, heads, attn.nope_dim + attn.rope_dim)
+        q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
+        latent, k_pe = kv.split([attn.rank, attn.rope_dim], dim=-1)
+        ln = attn.kv_a_layernorm
+        latent = torch.rms_norm(latent, ln.weight.shape, ln.weight, ln.eps)
+        cache = batch.kv_cache[attn.layer_id]
+        entry = torch.cat([latent, _rotate(k_pe, rots[0])], -1)  # [T, 576]
+        cache.index_copy_(0, batch.out_slots, entry.to(cache.dtype))
+        if attn.indexer is not None:
+            shared = self._indexer(attn.indexer, parts[2], parts[3], q_parts[1], rots[1])
+        q_lat = torch.bmm(q_nope.transpose(0, 1), weights.w_uk).transpose(0, 1)  # [T, H, rank]
+        q_full = torch.cat([q_lat, _rotate(q_pe, rots[0])], -1)  # [T, H, 576]
+        out = _attend(attn, q_full, cache, batch, shared.decode)  # [T, H, rank]
+        out = torch.bmm(out.transpose(0, 1), weights.w_uv_t).transpose(0, 1)  # [T, H, v]
+        return attn.o_proj(out.reshape(tokens, -1)), shared
+
+    def _indexer(self, indexer: Indexer, k, weights, q, rot) -> Selection:
+        batch = current_batch()
+        q = q.view(-1, indexer.n_heads, indexer.head_dim)  # [T, nI, dI]
+        norm = indexer.k_norm
+        k = F.layer_norm(k, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+        d = indexer.rope_dim
+        q = torch.cat([_rotate(q[..., :d], rot), q[..., d:]], dim=-1)
+        k = torch.cat([_rotate(k[..., :d], rot), k[..., d:]], dim=-1)
+        cache = batch.index_cache[indexer.cache_index]
+        cache.index_copy_(0, batch.out_slots, k.to(cache.dtype))
+        weights = weights.float() * (indexer.n_heads**-0.5 * indexer.head_dim**-0.5)
+        return Selection([], _select(indexer, batch, q, weights, cache))
+
+    @staticmethod
+    def _ffn(mlp: nn.Module, weights: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        dense = mlp if isinstance(mlp, MLP) else mlp.shared_experts
+        gate, up = F.linear(x, weights.mlp_gate_up).chunk(2, dim=-1)
+        out = dense.down_proj(F.silu(gate) * up)
+        if isinstance(mlp, MoE):
+            index, routing = mlp.gate(x)
+            out = mlp.experts(x, index, routing) + out
+        return out
