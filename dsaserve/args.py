@@ -181,16 +181,12 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
 
 def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    multi = {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
-             "nnodes": args.nnodes, "attn_cp_size": args.attn_cp_size}  # fmt: skip
-    for name, value in multi.items():
-        if value != 1:
-            raise ArgsError(
-                f"--{name.replace('_', '-')} {value}: this build runs one process on one device; "
-                "use 1 (multi-GPU layouts come with the parallelism work)"
-            )
+    if args.attn_cp_size != 1:
+        raise ArgsError(
+            f"--attn-cp-size {args.attn_cp_size}: context parallelism is not available in this "
+            "build; use 1"
+        )
     features = {
-        "enable_dp_attention": "--enable-dp-attention",
         "enable_hierarchical_cache": "--enable-hierarchical-cache",
         "enable_prefill_cp": "--enable-prefill-cp",
     }

@@ -99,7 +99,7 @@ def test_cli_version_and_help():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--tp", "8"], "--tp-size 8"),
+        (["--attn-cp-size", "2"], "--attn-cp-size 2"),
         (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
         (["--disaggregation-mode", "prefill"], "--disaggregation-mode"),
         (["--kv-cache-dtype", "fp8_e4m3"], "needs a GPU"),

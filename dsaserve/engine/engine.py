@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
+from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
@@ -37,13 +38,19 @@ CPU_MAX_TOTAL_TOKENS = 1 << 18
 
 
 class Engine:
-    def __init__(self, args: ServerArgs, show_progress: bool = True) -> None:
+    """With `--tp N` this is rank 0 of its attention group: it starts the node's other ranks
+    (unless given its `parallel` state) and drives them through `DistributedModel`."""
+
+    def __init__(
+        self, args: ServerArgs, show_progress: bool = True, parallel: ParallelState | None = None
+    ) -> None:
         self.args = args
         self.device = _device(args.device)
         refuse_unrunnable(args, self.device.type)
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
         self._init_config()
+        self._init_ranks(parallel)
         self._init_model(show_progress)
         self._init_pool()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -59,6 +66,19 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.args.model_path, overrides)
         self.dtype = _dtype(self.args.dtype, self.model_config, self.device)
 
+    def _init_ranks(self, parallel: ParallelState | None) -> None:
+        self.ranks = None
+        if parallel is None and ParallelSizes.from_args(self.args).tp > 1:
+            from dsaserve.distributed.checks import check_parallel
+            from dsaserve.distributed.ranks import start_ranks
+
+            check_parallel(self.args, self.model_config, self.device.type)
+            self.ranks = start_ranks(self.args, self.device.type)
+            parallel = self.ranks.parallel
+        self.parallel = parallel or ParallelState.single()
+        if self.parallel.world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
     def _init_model(self, show_progress: bool) -> None:
         self.with_mtp = self.spec_steps > 0
         if self.with_mtp and self.model_config.num_nextn_predict_layers < 1:
@@ -67,22 +87,24 @@ class Engine:
                 f"{self.args.model_path} has no MTP (nextn) layer (num_nextn_predict_layers is 0); "
                 "drop --speculative-algorithm or use a checkpoint that ships its MTP layer"
             )
-        with torch.device("meta"):
-            self.model = DsaMoeForCausalLM(self.model_config, with_mtp=self.with_mtp)
-        load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
+        self.model = load_model(self.args, self.model_config, self.dtype, self.device,
+                                self.with_mtp, self.parallel, show_progress)  # fmt: skip
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
         mtp = self.with_mtp
-        index_layers = len(index_cache_ids(cfg, mtp))
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize)
+        per_token = pool_bytes_per_token(cfg, mtp, self.dtype)
         page_size = args.page_size or 64
-        tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
-        num_pages = max(tokens // page_size, 2)
+        num_pages = pool_pages(args, cfg, mtp, self.dtype, self.device, self.parallel)
+        tokens = num_pages * page_size
+        index_layers = len(index_cache_ids(cfg, mtp))
         self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device)
+        if self.parallel.world > 1:
+            from dsaserve.distributed.rounds import DistributedModel, RankRunner
+
+            runner = RankRunner(self.model, self.pool.kv_cache, self.pool.index_cache,
+                                self.parallel, self.device)  # fmt: skip
+            self.model = DistributedModel(runner)
         self.cache = RadixCache(self.pool.pages, page_size, enabled=not args.disable_radix_cache)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
@@ -233,12 +255,57 @@ class Engine:
             **(self.spec.report.stats() if self.spec is not None else {}),
         }
 
+    def idle(self) -> bool:
+        """Join the other ranks' heartbeat (and, under DP attention, other groups' ops) while
+        this group has nothing to run; True when another group is busy."""
+        return self.model.idle() if self.parallel.world > 1 else False
+
+    def close(self) -> None:
+        """Stop the other ranks (a STOP round) and wait for the ones this process started."""
+        if self.parallel.world > 1 and not getattr(self, "_closed", False):
+            self._closed = True
+            self.model.stop()
+            if self.ranks is not None:
+                self.ranks.stop()
+
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
         self.cache.evict(self.pool.pages.num_pages)
         self.cache.reset()
         return True
+
+
+def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               with_mtp: bool, parallel: ParallelState,
+               show_progress: bool = True) -> DsaMoeForCausalLM:  # fmt: skip
+    """This rank's model (all of it in a single process), loaded and on `device`."""
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+    load_checkpoint(model, args.model_path, dtype, show_progress=show_progress)
+    model.to(device).eval().requires_grad_(False)
+    model.rotary.inv_freq = model.rotary.inv_freq.to(device)
+    return model
+
+
+def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
+                                  itemsize)  # fmt: skip
+
+
+def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, dtype: torch.dtype,
+               device: torch.device, parallel: ParallelState) -> int:  # fmt: skip
+    """KV pages; every rank computes it and the smallest wins, so all pools have one layout."""
+    per_token = pool_bytes_per_token(config, with_mtp, dtype)
+    tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, device)
+    pages = max(tokens // (args.page_size or 64), 2)
+    if parallel.world > 1:
+        agreed = torch.tensor([pages])
+        torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN,
+                                     group=parallel.cpu_group)  # fmt: skip
+        pages = int(agreed)
+    return pages
 
 
 def _device(name: str) -> torch.device:
