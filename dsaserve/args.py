@@ -78,6 +78,7 @@ class ServerArgs:
     dp_size: int = 1
     ep_size: int = 1
     enable_dp_attention: bool = False
+    load_balance_method: str = "round_robin"
     moe_a2a_backend: str | None = None
     enable_prefill_cp: bool = False
     cp_strategy: str | None = None
@@ -264,6 +265,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--dp-size", "--dp", "--data-parallel-size", type=int)
     f("--ep-size", "--ep", "--expert-parallel-size", type=int)
     f("--enable-dp-attention", **on)
+    f("--load-balance-method", choices=["round_robin", "shortest_queue"])
     f("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
     f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
     f("--cp-strategy", choices=["interleave", "zigzag"])

@@ -40,6 +40,7 @@ class RankRunner:
         self.device = device
         self.rounds = 0
         self.others_busy = False
+        self.stopped = False
 
     def round(self, mine: OpInputs | None) -> tuple[bool, Any]:
         """One round; (whether `mine` ran, its result). `mine` is None for a follower or an
@@ -55,6 +56,7 @@ class RankRunner:
         ops = [int(row[0]) for row in leaders]
         self.rounds += 1
         if Op.STOP in ops:
+            self.stopped = True
             raise Stopped
         chosen = self._choose(ops)
         own_op = ops[p.dp_rank]
@@ -69,8 +71,9 @@ class RankRunner:
         return runs and mine is not None, result
 
     def stop(self) -> None:
-        header = torch.tensor([int(Op.STOP), 0, 0, 0])
-        self._gather_headers(header)
+        if not self.stopped:
+            self.stopped = True
+            self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0]))
 
     def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(header) for _ in range(self.parallel.world)]

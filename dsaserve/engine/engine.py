@@ -42,7 +42,11 @@ class Engine:
     (unless given its `parallel` state) and drives them through `DistributedModel`."""
 
     def __init__(
-        self, args: ServerArgs, show_progress: bool = True, parallel: ParallelState | None = None
+        self,
+        args: ServerArgs,
+        show_progress: bool = True,
+        parallel: ParallelState | None = None,
+        rank_extra: object = None,
     ) -> None:
         self.args = args
         self.device = _device(args.device)
@@ -50,7 +54,7 @@ class Engine:
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
         self._init_config()
-        self._init_ranks(parallel)
+        self._init_ranks(parallel, rank_extra)
         self._init_model(show_progress)
         self._init_pool()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -66,14 +70,14 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.args.model_path, overrides)
         self.dtype = _dtype(self.args.dtype, self.model_config, self.device)
 
-    def _init_ranks(self, parallel: ParallelState | None) -> None:
+    def _init_ranks(self, parallel: ParallelState | None, extra: object) -> None:
         self.ranks = None
         if parallel is None and ParallelSizes.from_args(self.args).tp > 1:
             from dsaserve.distributed.checks import check_parallel
             from dsaserve.distributed.ranks import start_ranks
 
             check_parallel(self.args, self.model_config, self.device.type)
-            self.ranks = start_ranks(self.args, self.device.type)
+            self.ranks = start_ranks(self.args, self.device.type, extra)
             parallel = self.ranks.parallel
         self.parallel = parallel or ParallelState.single()
         if self.parallel.world > 1 and self.device.type == "cuda":

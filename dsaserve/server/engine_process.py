@@ -22,6 +22,7 @@ from dsaserve.args import ServerArgs
 from dsaserve.server import ipc
 
 IDLE_POLL_MS = 200
+DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon
 
 
 def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
@@ -36,20 +37,45 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
     outbox = context.socket(zmq.PUSH)
     outbox.connect(paths.from_engine)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, paths=paths)
     except Exception as e:  # report, do not hang the API process
         outbox.send(ipc.encode(ipc.Fatal(f"engine failed to start: {type(e).__name__}: {e}")))
         traceback.print_exc()
         outbox.close(linger=2000)
         sys.exit(1)
+    serve_engine(engine, args, inbox, outbox, parent_pid)
+
+
+def serve_engine(engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent_pid: int) -> None:
     outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:  # the other ranks are gone already
+            code = code or 1
     outbox.close(linger=2000)
     inbox.close(linger=0)
     sys.exit(code)
 
 
-def build_engine(args: ServerArgs) -> Any:
+def run_group_leader(args: ServerArgs, paths: ipc.IpcPaths, parallel: Any) -> int:
+    """DP attention: the first rank of group g > 0 is an engine with its own request socket."""
+    from dsaserve.engine.engine import Engine
+
+    parent = os.getppid()
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(paths.for_group(parallel.dp_rank).to_engine)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(paths.from_engine)
+    engine = Engine(args, show_progress=False, parallel=parallel)
+    serve_engine(engine, args, inbox, outbox, parent)
+    return 0
+
+
+def build_engine(args: ServerArgs, paths: ipc.IpcPaths | None = None) -> Any:
     """The engine; `DSASERVE_TEST_ENGINE=scripted` / `DSASERVE_TEST_SCRIPTS` are test hooks."""
     from dsaserve.server.scripted_engine import ScriptedEngine, load_scripts
 
@@ -58,7 +84,7 @@ def build_engine(args: ServerArgs) -> Any:
         return ScriptedEngine(args, scripts, real=None)
     from dsaserve.engine.engine import Engine
 
-    engine = Engine(args)
+    engine = Engine(args, rank_extra=paths)
     return ScriptedEngine(args, scripts, real=engine) if scripts else engine
 
 
@@ -84,14 +110,25 @@ class EngineLoop:
         self.parent = parent
         self.step_started: float | None = None
         self.stopping = False
+        self.idle = getattr(engine, "idle", None)  # rank heartbeat / other DP groups' ops
+        dp = args.dp_size if args.enable_dp_attention else 1
+        self.idle_poll_ms = DP_IDLE_POLL_MS if dp > 1 else IDLE_POLL_MS
+        self.others_busy = False
 
     def run(self) -> int:
+        from dsaserve.distributed.rounds import Stopped
+
         threading.Thread(target=self._watchdog, daemon=True).start()
         try:
             while not self.stopping and os.getppid() == self.parent:
-                self._receive(0 if self.engine.has_work() else IDLE_POLL_MS)
+                busy = self.engine.has_work() or self.others_busy
+                self._receive(0 if busy else self.idle_poll_ms)
                 if self.engine.has_work() and not self.stopping:
                     self._step()
+                elif self.idle is not None and not self.stopping:
+                    self.others_busy = self.idle()
+            return 0
+        except Stopped:  # another group's leader stopped every rank
             return 0
         except Exception as e:
             traceback.print_exc()
