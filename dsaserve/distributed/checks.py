@@ -1,4 +1,5 @@
-"""Refuse a parallel layout that cannot work, before any process starts: one line naming the flag."""
+"""Refuse a parallel layout that cannot work before any process starts: one line, naming the
+flag."""
 
 from __future__ import annotations
 
@@ -81,5 +82,7 @@ def moe_backend_note(args: Any, device_type: str) -> str | None:
         except ImportError:
             pass
     where = "on CPU" if device_type != "cuda" else "(deep_ep is not importable)"
-    return (f"--moe-a2a-backend deepep: DeepEP is not available {where}; experts are dispatched "
-            "with torch.distributed collectives instead (all-reduce of partial outputs)")
+    return (
+        f"--moe-a2a-backend deepep: DeepEP is not available {where}; experts are dispatched "
+        "with torch.distributed collectives instead (all-reduce of partial outputs)"
+    )

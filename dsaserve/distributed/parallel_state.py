@@ -10,6 +10,7 @@ ways inside. Built once per process and passed down to the layers; a single proc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class ParallelState:
     attn_cpu_group: Any = None
     # rows of every attention group in the op being run (set per op by the rank loop)
     group_rows: list[int] = field(default_factory=lambda: [0])
+    comm_seconds: float = 0.0  # time spent inside the model's collectives (bench/parallel.py)
 
     @classmethod
     def single(cls) -> ParallelState:
@@ -102,12 +104,16 @@ class ParallelState:
     def all_reduce_attn(self, x: torch.Tensor) -> torch.Tensor:
         """Sum partial results over the attention-TP group (row-parallel o_proj, embedding)."""
         if self.attn_tp > 1 and x.numel():
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.attn_group)
+            self.comm_seconds += time.perf_counter() - start
         return x
 
     def all_reduce_world(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1 and x.numel():
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.world_group)
+            self.comm_seconds += time.perf_counter() - start
         return x
 
     def gather_groups(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +129,9 @@ class ParallelState:
         padded = x.new_zeros(width, *x.shape[1:])
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
+        start = time.perf_counter()
         torch.distributed.all_gather(parts, padded, group=self.world_group)
+        self.comm_seconds += time.perf_counter() - start
         leaders = [parts[self.sizes.leader(g)][:n] for g, n in enumerate(rows)]
         return torch.cat(leaders)
 
@@ -141,7 +149,9 @@ class ParallelState:
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], x.shape[-1] * self.world)
         parts = [torch.empty_like(x) for _ in range(self.world)]
+        start = time.perf_counter()
         torch.distributed.all_gather(parts, x.contiguous(), group=self.world_group)
+        self.comm_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1)
 
     @contextmanager

@@ -13,6 +13,7 @@ the engine, the speculative decoder and the sampler run unchanged on rank 0 of e
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ class RankRunner:
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
+        self.sync_seconds = 0.0  # headers and payload broadcasts (bench/parallel.py)
 
     def round(self, mine: OpInputs | None) -> tuple[bool, Any]:
         """One round; (whether `mine` ran, its result). `mine` is None for a follower or an
@@ -77,7 +79,9 @@ class RankRunner:
 
     def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(header) for _ in range(self.parallel.world)]
+        start = time.perf_counter()
         torch.distributed.all_gather(parts, header, group=self.parallel.cpu_group)
+        self.sync_seconds += time.perf_counter() - start
         return parts
 
     def _choose(self, ops: list[int]) -> Op:
@@ -102,9 +106,11 @@ class RankRunner:
             ints = torch.empty(int(leader_row[2]), dtype=torch.long)
             floats = torch.empty(int(leader_row[3]), dtype=self.kv_cache.dtype)
         src = p.sizes.leader(p.dp_rank)
+        start = time.perf_counter()
         torch.distributed.broadcast(ints, src, group=p.attn_cpu_group)
         if floats.numel():
             torch.distributed.broadcast(floats, src, group=p.attn_cpu_group)
+        self.sync_seconds += time.perf_counter() - start
         if mine is not None:
             return mine
         return unpack(op, ints, floats, self.kv_cache, self.index_cache, self.device)

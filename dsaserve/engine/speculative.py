@@ -172,7 +172,8 @@ class SpecDecoder:
             elif scheduled.ends[i] == len(req.fill_ids):
                 first_row[i] = len(rows)
                 rows.append(layout.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
-        logits = self.model.logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
+        logits = self.model.logits(hidden[picked])
         states = [reqs[i].sampling for i in first_row]
         self._greedy_ids = logits.argmax(dim=-1).tolist() if all(map(_plain, states)) else None
         draft_of = dict(zip([i for i, v in enumerate(layout.verify) if v], drafts))

@@ -61,7 +61,8 @@ def read_piece(
     scale = read_scale((*lead, row_blocks, col_blocks))
     w = dequantize_block_fp8(weight, scale, block)
     r0, c0 = row_part.start - covering[-2].start, col_part.start - covering[-1].start
-    return w[..., r0 : r0 + row_part.stop - row_part.start, c0 : c0 + col_part.stop - col_part.start]
+    rows_n, cols_n = row_part.stop - row_part.start, col_part.stop - col_part.start
+    return w[..., r0 : r0 + rows_n, c0 : c0 + cols_n]
 
 
 def pad_to(tensor: torch.Tensor, shard: Shard | ExpertShard, local_shape: tuple[int, ...]):

@@ -126,9 +126,7 @@ class DsaMoeModel(nn.Module):
             config.vocab_size, config.hidden_size, parallel.attn_tp, parallel.attn_rank,
             reduce=parallel.all_reduce_attn,
         )  # fmt: skip
-        layers: list[nn.Module] = [
-            DecoderLayer(config, i, ids.get(i), parallel) for i in range(n)
-        ]
+        layers: list[nn.Module] = [DecoderLayer(config, i, ids.get(i), parallel) for i in range(n)]
         if with_mtp:
             layers.append(MTPLayer(config, n, ids[n], parallel))
         self.layers = nn.ModuleList(layers)
