@@ -71,18 +71,18 @@ def _check_model(sizes: ParallelSizes, config: ModelConfig) -> None:
 
 
 def moe_backend_note(args: Any, device_type: str) -> str | None:
-    """--moe-a2a-backend deepep: DeepEP where importable on CUDA; else a note of the fallback."""
+    """--moe-a2a-backend deepep: what runs instead (printed at start). This build dispatches
+    experts with torch.distributed everywhere; DeepEP kernels are not wired in yet."""
     if args.moe_a2a_backend != "deepep":
         return None
+    fallback = "experts are dispatched with torch.distributed (all-reduce of partial outputs)"
     if device_type == "cuda":
         try:
             import deep_ep  # noqa: F401
 
-            return None
+            why = "deep_ep imports but its kernels are not used yet"
         except ImportError:
-            pass
-    where = "on CPU" if device_type != "cuda" else "(deep_ep is not importable)"
-    return (
-        f"--moe-a2a-backend deepep: DeepEP is not available {where}; experts are dispatched "
-        "with torch.distributed collectives instead (all-reduce of partial outputs)"
-    )
+            why = "DeepEP is not available (deep_ep is not importable)"
+    else:
+        why = "DeepEP is not available on CPU"
+    return f"--moe-a2a-backend deepep: {why}; {fallback}"

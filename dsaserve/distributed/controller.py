@@ -189,3 +189,24 @@ def sum_stats(per_group: list[dict]) -> dict:
         if key in total:
             total[key] = total[key] / len(per_group)
     return total
+
+
+def load_report(stats: dict) -> list[dict]:
+    """`/get_load`: one entry per attention group (one for a server without DP attention)."""
+    groups = stats.get("dp_groups") or [stats]
+    return [{"dp_rank": g, "num_reqs": s.get("num_running", 0) + s.get("num_waiting", 0),
+             "num_waiting_reqs": s.get("num_waiting", 0),
+             "num_tokens": s.get("kv_used_tokens", 0)} for g, s in enumerate(groups)]  # fmt: skip
+
+
+def dp_metrics_text(model: str, stats: dict) -> bytes:
+    """Per-group gauges appended to /metrics under DP attention (the summed ones come first)."""
+    lines = []
+    names = {"num_running_reqs": "num_running", "num_queue_reqs": "num_waiting",
+             "kv_used_tokens": "kv_used_tokens", "cache_hit_rate": "cache_hit_rate"}  # fmt: skip
+    for metric, key in names.items():
+        lines.append(f"# TYPE sglang:dp_{metric} gauge")
+        for group, s in enumerate(stats.get("dp_groups") or []):
+            labels = f'model_name="{model}",dp_rank="{group}"'
+            lines.append(f"sglang:dp_{metric}{{{labels}}} {float(s.get(key, 0) or 0)}")
+    return ("\n".join(lines) + "\n").encode() if stats.get("dp_groups") else b""

@@ -264,13 +264,21 @@ class Engine:
         this group has nothing to run; True when another group is busy."""
         return self.model.idle() if self.parallel.world > 1 else False
 
-    def close(self) -> None:
-        """Stop the other ranks (a STOP round) and wait for the ones this process started."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks (a STOP round; without `graceful`, end them) and wait for the
+        ones this process started."""
         if self.parallel.world > 1 and not getattr(self, "_closed", False):
             self._closed = True
-            self.model.stop()
+            if graceful:
+                self.model.stop()
             if self.ranks is not None:
-                self.ranks.stop()
+                self.ranks.stop(timeout=10.0 if graceful else 0.0)
+
+    def kill_ranks(self) -> None:
+        if self.ranks is not None:
+            from dsaserve.distributed.ranks import kill_all
+
+            kill_all(self.ranks.children)
 
     def flush_cache(self) -> bool:
         if self.has_work():

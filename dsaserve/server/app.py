@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from dsaserve import __version__
+from dsaserve.distributed.controller import dp_metrics_text, load_report
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dsaserve.server.errors import APIError
@@ -109,6 +110,10 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     async def server_info(state: ServerState, request: Request) -> Any:
         return await _server_info(state)
 
+    @route("/get_load", ["GET"], gate=False)
+    async def get_load(state: ServerState, request: Request) -> Any:
+        return load_report(await state.engine.control("stats"))
+
     @route("/get_model_info", ["GET"], gate=False)
     async def model_info(state: ServerState, request: Request) -> Any:
         tm = state.tokenizer_manager
@@ -135,7 +140,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
         @route("/metrics", ["GET"], gate=False)
         async def metrics(state: ServerState, request: Request) -> Any:
             stats = await state.engine.control("stats") if state.engine.dead is None else {}
-            text = state.metrics.render(stats)
+            text = state.metrics.render(stats) + dp_metrics_text(state.metrics.model, stats)
             return Response(text, media_type="text/plain; version=0.0.4")
 
 

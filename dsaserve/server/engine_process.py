@@ -23,6 +23,7 @@ from dsaserve.server import ipc
 
 IDLE_POLL_MS = 200
 DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon
+DP_QUIET_S = 1.0  # ... until every group has been idle this long; then it polls as usual
 
 
 def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
@@ -52,7 +53,7 @@ def serve_engine(engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent_
     close = getattr(engine, "close", None)
     if close is not None:
         try:
-            close()
+            close(graceful=code == 0)  # after a failure the other ranks are ended, not asked
         except Exception:  # the other ranks are gone already
             code = code or 1
     outbox.close(linger=2000)
@@ -111,9 +112,14 @@ class EngineLoop:
         self.step_started: float | None = None
         self.stopping = False
         self.idle = getattr(engine, "idle", None)  # rank heartbeat / other DP groups' ops
-        dp = args.dp_size if args.enable_dp_attention else 1
-        self.idle_poll_ms = DP_IDLE_POLL_MS if dp > 1 else IDLE_POLL_MS
+        self.dp = args.dp_size if args.enable_dp_attention else 1
         self.others_busy = False
+        self.last_busy = time.monotonic()
+
+    def _idle_poll_ms(self) -> int:
+        if self.dp > 1 and time.monotonic() - self.last_busy < DP_QUIET_S:
+            return DP_IDLE_POLL_MS
+        return IDLE_POLL_MS
 
     def run(self) -> int:
         from dsaserve.distributed.rounds import Stopped
@@ -122,7 +128,8 @@ class EngineLoop:
         try:
             while not self.stopping and os.getppid() == self.parent:
                 busy = self.engine.has_work() or self.others_busy
-                self._receive(0 if busy else self.idle_poll_ms)
+                self.last_busy = time.monotonic() if busy else self.last_busy
+                self._receive(0 if busy else self._idle_poll_ms())
                 if self.engine.has_work() and not self.stopping:
                     self._step()
                 elif self.idle is not None and not self.stopping:
@@ -197,4 +204,7 @@ class EngineLoop:
             started = self.step_started
             if started is not None and time.monotonic() - started > self.args.watchdog_timeout:
                 print(f"watchdog: a step took over {self.args.watchdog_timeout}s", file=sys.stderr)
+                kill = getattr(self.engine, "kill_ranks", None)
+                if kill is not None:
+                    kill()
                 os._exit(3)
