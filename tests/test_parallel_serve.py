@@ -8,6 +8,7 @@ Faults: kill -9 of a rank mid-stream, of node 1; the process tree is checked emp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -126,8 +128,14 @@ def cmdline(pid: int) -> str:
 
 
 def children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    """Live child processes of `pid`, from /proc (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def test_glm_eagle_tp_and_dp_attention_layouts(glm):
@@ -148,6 +156,21 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm):
         assert all(g["prompt_tokens"] > 0 for g in groups)  # both groups served requests
         assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
         kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
+
+
+def test_offline_llm_drives_the_same_ranks(deepseek):
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    kw = dict(dtype="float32", max_total_tokens=2048, page_size=16, chunked_prefill_size=16)
+    want = LLM(str(deepseek), **kw).generate(PROMPTS, params, use_tqdm=False)
+    before = children(os.getpid())
+    with LLM(str(deepseek), tp_size=2, ep_size=2, **kw) as llm:
+        ranks = [pid for pid in children(os.getpid()) if pid not in before]
+        assert len(ranks) == 1
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert_gone(ranks)
 
 
 def free_port() -> int:

@@ -77,6 +77,11 @@ class Engine:
             from dsaserve.distributed.ranks import start_ranks
 
             check_parallel(self.args, self.model_config, self.device.type)
+            if extra is None and ParallelSizes.from_args(self.args).groups > 1:
+                raise ArgsError(
+                    "--enable-dp-attention with --dp > 1 needs the server (each group has its "
+                    "own request socket); use dsaserve serve"
+                )
             self.ranks = start_ranks(self.args, self.device.type, extra)
             parallel = self.ranks.parallel
         self.parallel = parallel or ParallelState.single()
