@@ -98,7 +98,10 @@ def main() -> None:
               "embedded": default_model_path()}  # fmt: skip
     results = []
     for name, folder in models.items():
-        runs = [run(folder, tp, args) for tp in (1, 2)]
+        runs = []
+        for tp in (1, 2):
+            runs.append(run(folder, tp, args))
+            print(name, runs[-1], flush=True)
         speedup = runs[1]["output_tok_s"] / runs[0]["output_tok_s"]
         results.append({"model": name, "params": params_of(folder), "runs": runs,
                         "speedup_tp2": round(speedup, 2)})  # fmt: skip

@@ -79,7 +79,7 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     try:
         dist.init_process_group(backend, init_method=f"tcp://{where}", rank=rank,
                                 world_size=sizes.tp, timeout=timeout)  # fmt: skip
-    except Exception as e:
+    except RuntimeError as e:  # DistStoreError / DistNetworkError: nobody met us there in time
         raise RendezvousError(
             f"--dist-init-addr {where}: the ranks did not meet within {timeout.total_seconds():g}s"
             f" ({type(e).__name__}: {' '.join(str(e).split())[:200]})"

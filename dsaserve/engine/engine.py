@@ -278,6 +278,8 @@ class Engine:
                 self.model.stop()
             if self.ranks is not None:
                 self.ranks.stop(timeout=10.0 if graceful else 0.0)
+                if torch.distributed.is_initialized():  # a later Engine may start ranks again
+                    torch.distributed.destroy_process_group()
 
     def kill_ranks(self) -> None:
         if self.ranks is not None:
