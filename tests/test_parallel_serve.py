@@ -179,10 +179,27 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def hang_rank(server, timeout: float) -> None:
+    """SIGSTOP a rank: within --watchdog-timeout the request fails, /health turns 503 and the
+    engine and every rank (the stopped one too) are gone."""
+    engine = [p for p in children(server.process.pid) if "resource_tracker" not in cmdline(p)]
+    ranks = [pid for e in engine for pid in children(e)]
+    os.kill(ranks[0], signal.SIGSTOP)
+    started = time.monotonic()
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(openai.APIError):
+        client.completions.create(model="m", prompt=LONG, max_tokens=4)
+    assert time.monotonic() - started < timeout + 30
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+    assert_gone([*engine, *ranks])
+
+
 def test_deepseek_tp_ep_and_two_nodes(deepseek):
     expected = reference(deepseek, spec=False)
-    with running_server(deepseek, *COMMON, "--tp", "2", "--ep", "2") as server:
+    flags = [*COMMON, "--tp", "2", "--ep", "2", "--watchdog-timeout", "15"]
+    with running_server(deepseek, *flags) as server:
         check_layout(server, expected)
+        hang_rank(server, 15)
     addr = f"127.0.0.1:{free_port()}"
     nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
     node1 = subprocess.Popen(
