@@ -149,12 +149,16 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm):
         assert len(stats["dp_groups"]) == 2
         assert "DeepEP is not available" in server.output()
     flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention",
-             "--load-balance-method", "shortest_queue"]  # fmt: skip
+             "--load-balance-method", "shortest_queue", "--enable-metrics"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
         stats = check_layout(server, expected)
         groups = stats["dp_groups"]
         assert all(g["prompt_tokens"] > 0 for g in groups)  # both groups served requests
         assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
+        load = httpx.get(server.url + "/get_load", timeout=30).json()
+        assert [entry["dp_rank"] for entry in load] == [0, 1]
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'sglang:dp_kv_used_tokens{model_name="ckpt",dp_rank="1"}' in metrics
         kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
 
 
