@@ -108,6 +108,7 @@ class ServerArgs:
     dp_size: int = 1
     ep_size: int = 1
     enable_dp_attention: bool = False
+    load_balance_method: str = "round_robin"
     moe_a2a_backend: str | None = None
     enable_prefill_cp: bool = False
     cp_strategy: str | None = None
@@ -249,16 +250,12 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
 
 def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    multi = {"tp_size": args.tp_size, "dp_size": args.dp_size, "ep_size": args.ep_size,
-             "nnodes": args.nnodes, "attn_cp_size": args.attn_cp_size}  # fmt: skip
-    for name, value in multi.items():
-        if value != 1:
-            raise ArgsError(
-                f"--{name.replace('_', '-')} {value}: this build runs one process on one device; "
-                "use 1 (multi-GPU layouts come with the parallelism work)"
-            )
+    if args.attn_cp_size != 1:
+        raise ArgsError(
+            f"--attn-cp-size {args.attn_cp_size}: context parallelism is not available in this "
+            "build; use 1"
+        )
     features = {
-        "enable_dp_attention": "--enable-dp-attention",
         "enable_prefill_cp": "--enable-prefill-cp",
     }
     for name, flag in features.items():
@@ -363,6 +360,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--dp-size", "--dp", "--data-parallel-size", type=int)
     f("--ep-size", "--ep", "--expert-parallel-size", type=int)
     f("--enable-dp-attention", **on)
+    f("--load-balance-method", choices=["round_robin", "shortest_queue"])
     f("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
     f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
     f("--cp-strategy", choices=["interleave", "zigzag"])

@@ -60,6 +60,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stop the ranks a `tp_size` > 1 engine started (also at exit and on `with` exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],

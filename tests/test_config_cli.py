@@ -99,7 +99,7 @@ def test_cli_version_and_help():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--tp", "8"], "--tp-size 8"),
+        (["--attn-cp-size", "2"], "--attn-cp-size 2"),
         (["--enable-prefill-cp"], "--enable-prefill-cp"),
         (
             ["--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "fake"],

@@ -96,17 +96,23 @@ def test_kv_headline_values():
     assert kv_bytes_per_token(GLM, "bf16", with_mtp=True) == 79 * 1284
 
 
-def test_plain_tp_splits_everything_but_norms_and_router():
+def _everywhere(b) -> int:
+    """Replicated on every rank: norms, router, eh_proj, and (as SGLang keeps them) q_a_proj,
+    kv_a_proj_with_mqa and the indexer."""
+    return b.replicated + b.attention_kept + b.attention_replicated
+
+
+def test_plain_tp_splits_everything_but_replicated_parts():
     b = weight_bytes(main_params(GLM), "bf16")
     per_gpu = weight_bytes_per_gpu(GLM, "bf16", tp=8, attn_tp=8, with_mtp=False)
-    assert per_gpu == pytest.approx((b.total() - b.replicated) / 8 + b.replicated, abs=2)
+    assert per_gpu == pytest.approx((b.total() - _everywhere(b)) / 8 + _everywhere(b), abs=2)
 
 
 def test_dp_attention_replicates_attention_and_embedding():
     b = weight_bytes(main_params(GLM), "fp8")
     plain = weight_bytes_per_gpu(GLM, "fp8", tp=8, attn_tp=8, with_mtp=False)
     dp_attn = weight_bytes_per_gpu(GLM, "fp8", tp=8, attn_tp=1, with_mtp=False)
-    replicated = b.attention + b.attention_kept + b.embedding
+    replicated = b.attention + b.embedding
     assert dp_attn - plain == pytest.approx(replicated * 7 / 8, abs=2)
 
 
@@ -116,8 +122,10 @@ def test_h200_low_latency_fit_by_hand():
     r = p.memory
     b = weight_bytes(main_params(GLM) + mtp_params(GLM), "fp8")
     assert r.weight_bytes_total == b.total()
-    # split 8 ways except norms, router gates and the MTP eh_proj (0.39 GB), on every GPU
-    assert r.weight_bytes_per_gpu == pytest.approx((b.total() - b.replicated) / 8 + b.replicated)
+    # split 8 ways except norms, router gates and the MTP eh_proj (0.39 GB), q_a/kv_a and the
+    # indexer, on every GPU
+    everywhere = _everywhere(b)
+    assert r.weight_bytes_per_gpu == pytest.approx((b.total() - everywhere) / 8 + everywhere)
     assert b.replicated / 1e9 == pytest.approx(0.39, abs=0.01)
     budget = int(int(139.8 * GIB) * 0.8)
     assert r.budget_bytes_per_gpu == budget

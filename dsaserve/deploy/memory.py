@@ -2,8 +2,11 @@
 
 Parameters are grouped by how they are stored and sharded:
 
-- attention: MLA and indexer projections, sharded over the attention-TP group (`tp / dp` under
-  DP attention, so replicated when dp = tp); `attention_kept` are their bf16 side weights.
+- attention: the per-head MLA projections (q_b_proj, kv_b_proj, o_proj), sharded over the
+  attention-TP group (`tp / dp` under DP attention, so replicated when dp = tp).
+- attention_replicated: q_a_proj, kv_a_proj_with_mqa and the indexer's wq_b and wk, replicated
+  on every rank as SGLang keeps them (they are head-independent, or the indexer's own);
+  `attention_kept` are the bf16 side weights (norms, weights_proj), replicated too.
 - embedding: `embed_tokens`, sharded like attention (replicated under DP attention).
 - mlp: dense FFN, shared and routed experts, sharded over all `tp` ranks (TP or EP alike).
 - lm_head: vocab-parallel over all `tp` ranks.
@@ -23,7 +26,7 @@ FP4_BYTES = 0.5 + 1 / 16  # e2m1 weight + one fp8 scale per 16 elements (NVFP4)
 # bytes per parameter of each group, by checkpoint precision (model.md §6): FP8 quantises every
 # projection; NVFP4 (ModelOpt) quantises the MLPs and keeps attention in bf16.
 BYTES_PER_PARAM: dict[str, dict[str, float]] = {
-    "fp8": {"attention": FP8_BYTES, "mlp": FP8_BYTES},
+    "fp8": {"attention": FP8_BYTES, "attention_replicated": FP8_BYTES, "mlp": FP8_BYTES},
     "nvfp4": {"mlp": FP4_BYTES},
     "bf16": {},
     "fp32": {"default": 4.0},
@@ -35,6 +38,7 @@ class ParamCounts(NamedTuple):
 
     attention: int = 0
     attention_kept: int = 0
+    attention_replicated: int = 0
     embedding: int = 0
     mlp: int = 0
     lm_head: int = 0
@@ -60,7 +64,8 @@ def _attention(m: ModelSpec) -> ParamCounts:
     o_proj = heads * m.v_head_dim * h
     indexer = q_in * m.index_n_heads * m.index_head_dim + h * m.index_head_dim  # wq_b + wk
     kept = h * m.index_n_heads + 2 * m.index_head_dim + (m.q_lora_rank or 0) + m.kv_lora_rank
-    return ParamCounts(attention=q_a + q_b + kv_a + kv_b + o_proj + indexer, attention_kept=kept)
+    return ParamCounts(attention=q_b + kv_b + o_proj, attention_kept=kept,
+                       attention_replicated=q_a + kv_a + indexer)  # fmt: skip
 
 
 def _moe_mlp(m: ModelSpec) -> ParamCounts:
@@ -112,9 +117,11 @@ def weight_bytes_per_gpu(
     counts = main_params(m) + (mtp_params(m) if with_mtp else ParamCounts())
     b = weight_bytes(counts, precision)
     return round(
-        (b.attention + b.attention_kept + b.embedding) / attn_tp
+        (b.attention + b.embedding) / attn_tp
         + (b.mlp + b.lm_head) / tp
         + b.replicated
+        + b.attention_kept
+        + b.attention_replicated
     )
 
 

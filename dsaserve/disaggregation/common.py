@@ -96,12 +96,13 @@ class RoleEngine:
             except zmq.Again:
                 return messages
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         for sock in self.outboxes.values():
             sock.close(linger=0)
         self.inbox.close(linger=0)
         self.transfer.close()
         self.context.term()
+        self.engine.close(graceful)
 
 
 def aborted_output(req: Req) -> RequestOutput:

@@ -208,6 +208,6 @@ class DecodeEngine(RoleEngine):
         self.notified.discard(room)
         return state
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         self.directory.close()
-        super().close()
+        super().close(graceful)

@@ -264,6 +264,6 @@ class PrefillEngine(RoleEngine):
             detail["checksums"] = kv_layout.checksums(self.engine.pool, pages, prompt_len)
         return detail
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         self.server.close()
-        super().close()
+        super().close(graceful)

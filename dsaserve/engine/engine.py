@@ -14,9 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
+from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
@@ -44,7 +46,16 @@ CPU_MAX_TOTAL_TOKENS = 1 << 18
 
 
 class Engine:
-    def __init__(self, args: ServerArgs, show_progress: bool = True) -> None:
+    """With `--tp N` this is rank 0 of its attention group: it starts the node's other ranks
+    (unless given its `parallel` state) and drives them through `DistributedModel`."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        show_progress: bool = True,
+        parallel: ParallelState | None = None,
+        rank_extra: object = None,
+    ) -> None:
         self.args = args
         self.device = _device(args.device)
         if args.threads is not None:  # default: torch's (OMP_NUM_THREADS, else the cores)
@@ -54,6 +65,7 @@ class Engine:
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
         self._init_config()
+        self._init_ranks(parallel, rank_extra)
         self._init_model(show_progress)
         self._init_pool()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -71,6 +83,24 @@ class Engine:
         self.model_config = ModelConfig.from_hf(self.args.model_path, overrides)
         self.dtype = _dtype(self.args.dtype, self.model_config, self.device)
 
+    def _init_ranks(self, parallel: ParallelState | None, extra: object) -> None:
+        self.ranks = None
+        if parallel is None and ParallelSizes.from_args(self.args).tp > 1:
+            from dsaserve.distributed.checks import check_parallel
+            from dsaserve.distributed.ranks import start_ranks
+
+            check_parallel(self.args, self.model_config, self.device.type)
+            if extra is None and ParallelSizes.from_args(self.args).groups > 1:
+                raise ArgsError(
+                    "--enable-dp-attention with --dp > 1 needs the server (each group has its "
+                    "own request socket); use dsaserve serve"
+                )
+            self.ranks = start_ranks(self.args, self.device.type, extra)
+            parallel = self.ranks.parallel
+        self.parallel = parallel or ParallelState.single()
+        if self.parallel.world > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
     def _init_model(self, show_progress: bool) -> None:
         self.with_mtp = self.spec_steps > 0
         if self.with_mtp and self.model_config.num_nextn_predict_layers < 1:
@@ -79,37 +109,45 @@ class Engine:
                 f"{self.args.model_path} has no MTP (nextn) layer (num_nextn_predict_layers is 0); "
                 "drop --speculative-algorithm or use a checkpoint that ships its MTP layer"
             )
-        with torch.device("meta"):
-            self.model = DsaMoeForCausalLM(self.model_config, with_mtp=self.with_mtp)
-        self.fp8_linears = self._keep_fp8()
-        load_checkpoint(self.model, self.args.model_path, self.dtype, show_progress=show_progress)
-        self.model.to(self.device).eval().requires_grad_(False)
-        self.model.rotary.inv_freq = self.model.rotary.inv_freq.to(self.device)
+        self.model = load_model(self.args, self.model_config, self.dtype, self.device,
+                                self.with_mtp, self.parallel, show_progress,
+                                before_load=self._keep_fp8)  # fmt: skip
 
-    def _keep_fp8(self) -> int:
-        """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs."""
+    def _keep_fp8(self, model: nn.Module) -> None:
+        """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs
+        (one rank only in this build: sharded Linears are dequantised)."""
+        self.fp8_linears = 0
         if self.model_config.quantization != "fp8" or self.kernels.names["fp8_gemm"] == "torch":
-            return 0
+            return
+        if self.parallel.world > 1:
+            logger.warning("--fp8-gemm-backend: sharded Linears are dequantised on load")
+            return
         if fp8_block_size(Path(self.args.model_path)) != (128, 128):
             logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
-            return 0
-        return keep_fp8(self.model, self.kernels.fp8_gemm)
+            return
+        self.fp8_linears = keep_fp8(model, self.kernels.fp8_gemm)
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
         mtp = self.with_mtp
         index_layers = len(index_cache_ids(cfg, mtp))
         stored = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
-        fp8, itemsize = stored == torch.uint8, stored.itemsize
+        fp8 = stored == torch.uint8
         self.kv_dtype = kv_dtype_name(stored)
-        per_token = KVPool.bytes_per_token(cfg, index_layers, mtp, itemsize, fp8)
+        per_token = pool_bytes_per_token(cfg, mtp, stored)
         self.kv_bytes_per_token = per_token
         page_size = args.page_size or 64
-        tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, self.device)
-        num_pages = max(tokens // page_size, 2)
+        num_pages = pool_pages(args, cfg, mtp, stored, self.device, self.parallel)
+        tokens = num_pages * page_size
         self.pool = KVPool(
             cfg, num_pages, page_size, index_layers, mtp, stored, self.device, fp8=fp8
         )
+        if self.parallel.world > 1:
+            from dsaserve.distributed.rounds import DistributedModel, RankRunner
+
+            runner = RankRunner(self.model, self.pool.kv_cache, self.pool.index_cache,
+                                self.parallel, self.device)  # fmt: skip
+            self.model = DistributedModel(runner)
         self.cache = self._make_cache(page_size)
         # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
@@ -123,6 +161,7 @@ class Engine:
         # The fused decode path reads the pool and the weights itself: only over the torch
         # kernels and a cache in the compute dtype (an FP8 cache or Triton kernels: layered).
         plain = not fp8 and set(self.kernels.names.values()) == {"torch"}
+        plain = plain and self.parallel.world == 1  # the ranks run the layered model
         step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
                                 args.enable_torch_compile)  # fmt: skip
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step)
@@ -328,6 +367,29 @@ class Engine:
             **cache.tier_stats(),
         }
 
+    def idle(self) -> bool:
+        """Join the other ranks' heartbeat (and, under DP attention, other groups' ops) while
+        this group has nothing to run; True when another group is busy."""
+        return self.model.idle() if self.parallel.world > 1 else False
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the other ranks (a STOP round; without `graceful`, end them) and wait for the
+        ones this process started."""
+        if self.parallel.world > 1 and not getattr(self, "_closed", False):
+            self._closed = True
+            if graceful:
+                self.model.stop()
+            if self.ranks is not None:
+                self.ranks.stop(timeout=10.0 if graceful else 0.0)
+                if torch.distributed.is_initialized():  # a later Engine may start ranks again
+                    torch.distributed.destroy_process_group()
+
+    def kill_ranks(self) -> None:
+        if self.ranks is not None:
+            from dsaserve.distributed.ranks import kill_all
+
+            kill_all(self.ranks.children)
+
     def flush_cache(self) -> bool:
         if self.has_work():
             return False
@@ -341,6 +403,38 @@ def _sampling_params(fields: dict) -> SamplingParams:
         return SamplingParams(**fields)
     except TypeError as e:
         raise ValueError(f"sampling: {e}") from e
+
+
+def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               with_mtp: bool, parallel: ParallelState,
+               show_progress: bool = True) -> DsaMoeForCausalLM:  # fmt: skip
+    """This rank's model (all of it in a single process), loaded and on `device`."""
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+    load_checkpoint(model, args.model_path, dtype, show_progress=show_progress)
+    model.to(device).eval().requires_grad_(False)
+    model.rotary.inv_freq = model.rotary.inv_freq.to(device)
+    return model
+
+
+def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, stored: torch.dtype) -> int:
+    """KV bytes a token takes; `stored` is the pool's dtype (uint8: the FP8 layout)."""
+    return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
+                                  stored.itemsize, stored == torch.uint8)  # fmt: skip
+
+
+def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,
+               device: torch.device, parallel: ParallelState) -> int:  # fmt: skip
+    """KV pages; every rank computes it and the smallest wins, so all pools have one layout."""
+    per_token = pool_bytes_per_token(config, with_mtp, stored)
+    tokens = args.max_total_tokens or _tokens_from_memory(args, per_token, device)
+    pages = max(tokens // (args.page_size or 64), 2)
+    if parallel.world > 1:
+        agreed = torch.tensor([pages])
+        torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN,
+                                     group=parallel.cpu_group)  # fmt: skip
+        pages = int(agreed)
+    return pages
 
 
 def _device(name: str) -> torch.device:

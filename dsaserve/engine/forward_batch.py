@@ -73,3 +73,16 @@ def current_batch() -> ForwardBatch:
     if not _current:
         raise RuntimeError("no forward batch installed: call the model inside forward_context()")
     return _current[0]
+
+
+@contextmanager
+def swapped_batch(batch: ForwardBatch) -> Iterator[ForwardBatch]:
+    """Replace the installed batch for a while: a DP-attention group leader, waiting inside its
+    own forward for its turn, runs another group's op with no tokens of its own."""
+    if not _current:
+        raise RuntimeError("no forward batch installed to swap")
+    saved, _current[0] = _current[0], batch
+    try:
+        yield batch
+    finally:
+        _current[0] = saved

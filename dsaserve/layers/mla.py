@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
+from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch
 from dsaserve.engine.kv_quant import KV_STORE
 from dsaserve.kernels.reference import softmax_attend
@@ -20,10 +22,22 @@ from dsaserve.model_config import ModelConfig
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
+    """Under attention TP the heads are split (q_b_proj, kv_b_proj column-parallel, o_proj
+    row-parallel); q_a_proj, kv_a_proj_with_mqa, their norms and the indexer are replicated, so
+    every rank of the group stores the whole latent entry and indexer key of every token."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        index_cache_id: int | None,
+        parallel: ParallelState | None = None,
+    ) -> None:
         super().__init__()
+        parallel = parallel or ParallelState.single()
+        parts, part = parallel.attn_tp, parallel.attn_rank
         self.layer_id = layer_id
-        self.n_heads = config.num_attention_heads
+        self.n_heads = config.num_attention_heads // parts  # this rank's heads
         self.nope_dim = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim
@@ -33,13 +47,18 @@ class MLAttention(nn.Module):
         h = config.hidden_size
         self.q_a_proj = nn.Linear(h, config.q_lora_rank, bias=bias)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.n_heads * config.qk_head_dim, bias=False)
+        heads = config.num_attention_heads
+        self.q_b_proj = ColumnParallelLinear(
+            config.q_lora_rank, heads * config.qk_head_dim, parts, part
+        )
         self.kv_a_proj_with_mqa = nn.Linear(h, config.kv_entry_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, eps=1e-6)
-        self.kv_b_proj = nn.Linear(
-            self.rank, self.n_heads * (self.nope_dim + self.v_dim), bias=False
+        self.kv_b_proj = ColumnParallelLinear(
+            self.rank, heads * (self.nope_dim + self.v_dim), parts, part
         )
-        self.o_proj = nn.Linear(self.n_heads * self.v_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(
+            heads * self.v_dim, h, parts, part, bias=bias, reduce=parallel.all_reduce_attn
+        )
         self.indexer = None if index_cache_id is None else Indexer(config, index_cache_id)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:

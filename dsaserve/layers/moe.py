@@ -6,17 +6,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaserve.distributed.linear import (
+    ColumnParallelLinear,
+    ExpertShard,
+    RowParallelLinear,
+    Shard,
+    set_shard,
+)
+from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.model_config import ModelConfig
 
 FEW = 16  # routing assignments (tokens x top-k) up to which they are grouped in Python
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """SwiGLU; split `parts` ways over the intermediate size, returning this part's partial sum
+    (the decoder layer sums the parts once per MLP block)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, parts: int = 1,
+                 index: int = 0) -> None:  # fmt: skip
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, parts, index)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, parts, index)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, parts, index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -52,15 +64,29 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as fused tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I]."""
+    """Routed experts as fused tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I].
 
-    def __init__(self, config: ModelConfig) -> None:
+    Under expert parallelism this rank holds experts [first, first + E / ep) and each expert's
+    intermediate size is split `moe_tp` ways; the output is this rank's partial sum."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelState.single()
+        sizes = parallel.sizes
         e, h, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.num_experts, count, inner = e, e // sizes.ep, i // sizes.moe_tp
+        self.first = parallel.ep_rank * count
+        self.gate_up_proj = nn.Parameter(torch.empty(count, 2 * inner, h))
+        self.down_proj = nn.Parameter(torch.empty(count, h, inner))
+        if sizes.tp > 1:
+            rows = Shard(-2, parallel.moe_tp_rank, sizes.moe_tp)
+            cols = Shard(-1, parallel.moe_tp_rank, sizes.moe_tp)
+            set_shard(self.gate_up_proj, ExpertShard(self.first, count, rows))
+            set_shard(self.down_proj, ExpertShard(self.first, count, cols))
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj.shape[0] < self.num_experts:
+            return self._local_experts(x, index, weights)
         if index.numel() <= FEW:
             return self._few(x, index, weights)
         flat = index.flatten()
@@ -76,6 +102,21 @@ class Experts(nn.Module):
         else:
             y = torch.cat([self._expert(e, rows) for e, rows in self._groups(x, token_of, counts)])
         return torch.zeros_like(x).index_add_(0, token_of, (y * weight_of).to(x.dtype))
+
+    def _local_experts(self, x, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: only the assignments to this rank's experts, grouped by expert."""
+        local = index.flatten() - self.first
+        slots = ((local >= 0) & (local < self.gate_up_proj.shape[0])).nonzero().squeeze(1)
+        out = torch.zeros_like(x)
+        if slots.numel() == 0:
+            return out
+        experts = local[slots]
+        order = experts.argsort(stable=True)
+        token_of = (slots // index.shape[1])[order]
+        weight_of = weights.flatten()[slots][order, None]
+        counts = torch.bincount(experts, minlength=self.gate_up_proj.shape[0])
+        y = torch.cat([self._expert(e, rows) for e, rows in self._groups(x, token_of, counts)])
+        return out.index_add_(0, token_of, (y * weight_of).to(x.dtype))
 
     def _groups(self, x: torch.Tensor, token_of: torch.Tensor, counts: torch.Tensor):
         start = 0
@@ -124,12 +165,17 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Router (replicated), routed experts and the shared expert; returns this rank's partial
+    sum over every token it is given (the decoder layer sums the ranks' parts)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        parallel = parallel or ParallelState.single()
         self.gate = Router(config)
-        self.experts = Experts(config)
+        self.experts = Experts(config, parallel)
         shared = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, shared) if shared else None
+        parts, index = parallel.world, parallel.rank
+        self.shared_experts = MLP(config.hidden_size, shared, parts, index) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index, weights = self.gate(x)

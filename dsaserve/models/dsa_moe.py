@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from dsaserve.distributed.linear import ParallelLMHead, VocabParallelEmbedding
+from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import current_batch
 from dsaserve.layers.indexer import Selection
 from dsaserve.layers.mla import MLAttention
@@ -30,20 +32,37 @@ def index_cache_ids(config: ModelConfig, with_mtp: bool) -> dict[int, int]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        index_cache_id: int | None,
+        parallel: ParallelState | None = None,
+    ) -> None:
         super().__init__()
+        self.parallel = parallel = parallel or ParallelState.single()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, layer_id, index_cache_id)
+        self.self_attn = MLAttention(config, layer_id, index_cache_id, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         dense = layer_id < config.num_hidden_layers and config.mlp_layer_types[layer_id] == "dense"
-        self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else MoE(config)
+        self.mlp = (
+            MLP(config.hidden_size, config.intermediate_size, parallel.world, parallel.rank)
+            if dense
+            else MoE(config, parallel)
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Selection | None
     ) -> tuple[torch.Tensor, Selection]:
-        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, shared)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), selection
+        if x.shape[0]:  # an idle DP-attention group has no tokens but still joins the MLP
+            attn, shared = self.self_attn(self.input_layernorm(x), cos, sin, shared)
+            x = x + attn
+        return x + self._mlp(self.post_attention_layernorm(x)), shared
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP block over every attention group's tokens, its parts summed over all ranks."""
+        p = self.parallel
+        return p.own_rows(p.all_reduce_world(self.mlp(p.gather_groups(h))))
 
 
 class SharedHead(nn.Module):
@@ -58,8 +77,14 @@ class MTPLayer(DecoderLayer):
     u = eh_proj([enorm(emb) | hnorm(hidden)]); h' = decoder layer(u); logits = lm_head(norm(h')).
     """
 
-    def __init__(self, config: ModelConfig, layer_id: int, index_cache_id: int | None) -> None:
-        super().__init__(config, layer_id, index_cache_id)
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        index_cache_id: int | None,
+        parallel: ParallelState | None = None,
+    ) -> None:
+        super().__init__(config, layer_id, index_cache_id, parallel)
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
@@ -93,14 +118,17 @@ def _indexer_bypassed(attn: nn.Module) -> Iterator[None]:
 
 
 class DsaMoeModel(nn.Module):
-    def __init__(self, config: ModelConfig, with_mtp: bool) -> None:
+    def __init__(self, config: ModelConfig, with_mtp: bool, parallel: ParallelState) -> None:
         super().__init__()
         ids = index_cache_ids(config, with_mtp)
         n = config.num_hidden_layers
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers: list[nn.Module] = [DecoderLayer(config, i, ids.get(i)) for i in range(n)]
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel.attn_tp, parallel.attn_rank,
+            reduce=parallel.all_reduce_attn,
+        )  # fmt: skip
+        layers: list[nn.Module] = [DecoderLayer(config, i, ids.get(i), parallel) for i in range(n)]
         if with_mtp:
-            layers.append(MTPLayer(config, n, ids[n]))
+            layers.append(MTPLayer(config, n, ids[n], parallel))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.num_hidden_layers = n
@@ -108,14 +136,21 @@ class DsaMoeModel(nn.Module):
 
 class DsaMoeForCausalLM(nn.Module):
     """Main model (+ optional MTP layer). `forward` runs the installed ForwardBatch and returns
-    the final normed hidden states of every row; `logits` projects chosen rows."""
+    the final normed hidden states of every row; `logits` projects chosen rows. With a
+    `parallel` state it is this rank's shard (see dsaserve/distributed/)."""
 
-    def __init__(self, config: ModelConfig, with_mtp: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, with_mtp: bool = False, parallel: ParallelState | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.with_mtp = with_mtp
-        self.model = DsaMoeModel(config, with_mtp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel = parallel or ParallelState.single()
+        self.model = DsaMoeModel(config, with_mtp, parallel)
+        self.lm_head = ParallelLMHead(
+            config.hidden_size, config.vocab_size, parallel.world, parallel.rank,
+            gather=parallel.all_gather_last,
+        )  # fmt: skip
         self.rotary = Rotary(config.rope)
 
     @property
@@ -148,4 +183,5 @@ class DsaMoeForCausalLM(nn.Module):
         return self.mtp.shared_head.norm(out), selection
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        p = self.parallel
+        return p.own_rows(self.lm_head(p.gather_groups(hidden))).float()

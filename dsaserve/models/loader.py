@@ -31,6 +31,7 @@ from dsaserve.models.checkpoint_files import (
     open_safetensors,
     tensor_locations,
 )
+from dsaserve.models.checkpoint_slices import Index, pad_to, read_piece, shard_pieces
 from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX, dequantize_block_fp8
 from dsaserve.models.nvfp4 import companion_of, is_nvfp4_weight, read_nvfp4
 
@@ -55,6 +56,12 @@ class _Target:
     dtype: torch.dtype
     filled: bool = False
     pieces: set[tuple[int, str]] = field(default_factory=set)
+    shard: object = None  # a distributed.linear Shard / ExpertShard: this rank's slice
+
+    def shard_dim(self, ndim: int) -> int:
+        """The checkpoint dim the shard splits (pieces are joined along it)."""
+        shard = self.shard
+        return (shard.inner.dim if hasattr(shard, "inner") else shard.dim) % ndim
 
 
 def load_checkpoint(
@@ -99,7 +106,7 @@ def _collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, _Target]
             name = f"{prefix}.{attr}" if prefix else attr
             target = by_identity.get(id(tensor))
             if target is None:
-                target = _Target([], [], tensor, dtype)
+                target = _Target([], [], tensor, dtype, shard=getattr(tensor, "shard", None))
                 by_identity[id(tensor)] = target
             target.names.append(name)
             target.owners.append((module, attr))
@@ -153,18 +160,53 @@ class _Loader:
             self.ignored.append(name)
             logger.debug("ignoring checkpoint tensor %s (not in the model)", name)
             return
+        if fused is not None and not self._holds_expert(fused, int(expert["expert"])):
+            return  # another rank's expert (expert parallel): not read at all
         # Why: dequantising on the target's device (a GPU when there is one) is much faster.
         device = (target or fused).tensor.device
+        device = device if device.type != "meta" else None
         raw = target is not None and target.dtype in FP8_DTYPES  # kept FP8 (kernels/fp8_linear)
-        tensor = self._read(name, handle, file, device if device.type != "meta" else None, raw)
         if target is not None:
+            tensor = self._read_target(name, handle, file, device, target, raw)
             self._place_whole(name, target, tensor)
         else:
+            pieces = self._expert_pieces(handle, name, fused, expert)
+            tensor = torch.cat([self._read(name, handle, file, device, p) for p in pieces], 0)
             self._place_expert(name, expert, fused, tensor)
 
+    def _read_target(self, name, handle, file, device, target: _Target, raw: bool) -> torch.Tensor:
+        """The target's slice (all of it without a shard), zero-padded to the local shape."""
+        if target.shard is None:
+            return self._read(name, handle, file, device, raw=raw)
+        shape = list(handle.get_slice(name).get_shape())
+        fused_gate_up = name.endswith(".gate_up_proj")
+        pieces = shard_pieces(target.shard, shape, fused_gate_up)
+        dim = (len(shape) - 2) if fused_gate_up else target.shard_dim(len(shape))
+        parts = [self._read(name, handle, file, device, piece) for piece in pieces]
+        return pad_to(torch.cat(parts, dim), target.shard, tuple(target.tensor.shape))
+
+    @staticmethod
+    def _holds_expert(target: _Target, index: int) -> bool:
+        shard = target.shard
+        return shard is None or shard.first <= index < shard.first + shard.count
+
+    @staticmethod
+    def _expert_pieces(handle, name: str, target: _Target, expert: re.Match[str]) -> list:
+        """Index tuples of one per-expert tensor [rows, cols] that this rank holds."""
+        shape = list(handle.get_slice(name).get_shape())
+        if target.shard is None:
+            return [None]
+        inner = target.shard.inner
+        inner = type(inner)(inner.dim % 2 if expert["proj"] == "down_proj" else 0,
+                            inner.index, inner.parts)  # fmt: skip
+        return shard_pieces(inner, shape, fused_gate_up=False)
+
     def _read(
-        self, name: str, handle: object, file: Path, device: torch.device | None, raw: bool = False
-    ) -> torch.Tensor:
+        self, name: str, handle: object, file: Path, device: torch.device | None,
+        piece: Index | None = None, raw: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        if piece is not None:
+            return self._read_piece(name, handle, file, device, piece)
         tensor = get_tensor(handle, name, file)
         if raw:
             return tensor
@@ -193,6 +235,26 @@ class _Loader:
         with open_safetensors(where) as other:
             return get_tensor(other, name, where)
 
+    def _read_piece(self, name, handle, file: Path, device, piece: Index) -> torch.Tensor:
+        """tensor[piece]: only that slice is read (block-FP8: its covering blocks and scales)."""
+        scale_name = name + SCALE_SUFFIX
+        scale_file = self.locations.get(scale_name)
+        if handle.get_slice(name).get_dtype() not in ("F8_E4M3", "F8_E5M2"):
+            return handle.get_slice(name)[piece]
+        if scale_file is None:
+            raise CheckpointError(f"FP8 tensor {name} in {file} has no {scale_name}")
+
+        def read_scale(index: Index) -> torch.Tensor:
+            if scale_file == file:
+                return handle.get_slice(scale_name)[index].to(device)
+            with open_safetensors(scale_file) as other:
+                return other.get_slice(scale_name)[index].to(device)
+
+        try:
+            return read_piece(handle, name, piece, read_scale, self.block)
+        except ValueError as exc:
+            raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
+
     def _fused_target(self, expert: re.Match[str]) -> _Target | None:
         kind = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"
         target = self.targets.get(f"{expert['prefix']}.{kind}")
@@ -208,6 +270,7 @@ class _Loader:
     ) -> None:
         num_experts, rows, cols = target.tensor.shape
         index, proj = int(expert["expert"]), expert["proj"]
+        index -= target.shard.first if target.shard is not None else 0
         if index >= num_experts:
             raise CheckpointError(
                 f"checkpoint tensor {name}: expert {index} is out of range, the model has "

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from dsaserve import __version__
+from dsaserve.distributed.controller import dp_metrics_text, load_report
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dsaserve.server.body_decoder import BodyDecoder
@@ -142,14 +143,12 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
     @route("/get_load", ["GET"], gate=False)
     async def get_load(state: ServerState, request: Request) -> Any:
-        """SGLang's load report (sglang-router's power_of_two reads num_tokens)."""
+        """SGLang's load report, one entry per attention group (sglang-router's power_of_two
+        reads num_tokens), from the stats the engine last published."""
         stats = {}
         if state.engine is not None and state.engine.dead is None and state.ready:
-            stats = await state.engine.control("stats")
-        running, waiting = stats.get("num_running", 0), stats.get("num_waiting", 0)
-        rooms = stats.get("pd_rooms_active", 0)
-        return [{"dp_rank": 0, "num_reqs": running + waiting + rooms, "num_waiting_reqs": waiting,
-                 "num_tokens": stats.get("kv_used_tokens", 0)}]  # fmt: skip
+            stats = state.engine.stats
+        return load_report(stats)
 
     @route("/flush_cache", ["GET", "POST"])
     async def flush_cache(state: ServerState, request: Request) -> Any:
@@ -173,7 +172,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
         @route("/metrics", ["GET"], gate=False, response_class=PlainTextResponse)
         async def metrics(state: ServerState, request: Request) -> Any:
             stats = state.engine.stats if state.engine.dead is None else {}
-            text = state.metrics.render(stats)
+            text = state.metrics.render(stats) + dp_metrics_text(state.metrics.model, stats)
             return Response(text, media_type="text/plain; version=0.0.4")
 
 

@@ -27,6 +27,8 @@ from dsaserve.args import ServerArgs
 from dsaserve.server import ipc
 
 IDLE_POLL_MS = 200
+DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon
+DP_QUIET_S = 1.0  # ... until every group has been idle this long; then it polls as usual
 
 
 def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
@@ -41,7 +43,7 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
     outbox = context.socket(zmq.PUSH)
     outbox.connect(paths.from_engine)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, paths=paths)
         if args.disaggregation_mode != "null":
             engine = _disaggregated(engine, args, outbox)
     except Exception as e:  # report, do not hang the API process
@@ -49,16 +51,39 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
         traceback.print_exc()
         outbox.close(linger=2000)
         sys.exit(1)
+    serve_engine(engine, args, inbox, outbox, parent_pid)
+
+
+def serve_engine(engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent_pid: int) -> None:
     outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
-    if hasattr(engine, "close"):  # a disaggregation role: sockets, bootstrap server, agent
-        engine.close()
+    close = getattr(engine, "close", None)
+    if close is not None:
+        try:
+            close(graceful=code == 0)  # after a failure the other ranks are ended, not asked
+        except Exception:  # the other ranks are gone already
+            code = code or 1
     outbox.close(linger=2000)
     inbox.close(linger=0)
     sys.exit(code)
 
 
-def build_engine(args: ServerArgs) -> Any:
+def run_group_leader(args: ServerArgs, paths: ipc.IpcPaths, parallel: Any) -> int:
+    """DP attention: the first rank of group g > 0 is an engine with its own request socket."""
+    from dsaserve.engine.engine import Engine
+
+    parent = os.getppid()
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(paths.for_group(parallel.dp_rank).to_engine)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(paths.from_engine)
+    engine = Engine(args, show_progress=False, parallel=parallel)
+    serve_engine(engine, args, inbox, outbox, parent)
+    return 0
+
+
+def build_engine(args: ServerArgs, paths: ipc.IpcPaths | None = None) -> Any:
     """The engine; `DSASERVE_TEST_ENGINE=scripted` / `DSASERVE_TEST_SCRIPTS` are test hooks."""
     from dsaserve.server.scripted_engine import ScriptedEngine, load_scripts
 
@@ -67,7 +92,7 @@ def build_engine(args: ServerArgs) -> Any:
         return ScriptedEngine(args, scripts, real=None)
     from dsaserve.engine.engine import Engine
 
-    engine = Engine(args)
+    engine = Engine(args, rank_extra=paths)
     return ScriptedEngine(args, scripts, real=engine) if scripts else engine
 
 
@@ -107,16 +132,35 @@ class EngineLoop:
         self.stopping = False
         self.pending: list[ipc.FromEngine] = []  # sent after the stats of the same iteration
         self.published: dict | None = None
+        self.idle = getattr(engine, "idle", None)  # rank heartbeat / other DP groups' ops
+        parallel = getattr(engine, "parallel", None)
+        self.group = getattr(parallel, "dp_rank", 0)  # the attention group whose stats these are
+        self.dp = args.dp_size if args.enable_dp_attention else 1
+        self.others_busy = False
+        self.last_busy = time.monotonic()
+
+    def _idle_poll_ms(self) -> int:
+        if self.dp > 1 and time.monotonic() - self.last_busy < DP_QUIET_S:
+            return DP_IDLE_POLL_MS
+        return IDLE_POLL_MS
 
     def run(self) -> int:
+        from dsaserve.distributed.rounds import Stopped
+
         threading.Thread(target=self._watchdog, daemon=True).start()
         try:
             while not self.stopping and os.getppid() == self.parent:
-                self._receive(0 if self.engine.has_work() else IDLE_POLL_MS)
+                busy = self.engine.has_work() or self.others_busy
+                self.last_busy = time.monotonic() if busy else self.last_busy
+                self._receive(0 if busy else self._idle_poll_ms())
                 self._flush()  # admissions and aborts show before the step runs
                 if self.engine.has_work() and not self.stopping:
                     self._step()
                     self._flush()
+                elif self.idle is not None and not self.stopping:
+                    self.others_busy = self.idle()
+            return 0
+        except Stopped:  # another group's leader stopped every rank
             return 0
         except Exception as e:
             traceback.print_exc()
@@ -135,7 +179,7 @@ class EngineLoop:
         stats = self.engine.stats()
         if stats != self.published:
             self.published = stats
-            self._send(ipc.Stats(stats))
+            self._send(ipc.Stats(stats, self.group))
         pending, self.pending = self.pending, []
         for message in pending:
             self._send(message)
@@ -230,4 +274,7 @@ class EngineLoop:
             started = self.step_started
             if started is not None and time.monotonic() - started > self.args.watchdog_timeout:
                 print(f"watchdog: a step took over {self.args.watchdog_timeout}s", file=sys.stderr)
+                kill = getattr(self.engine, "kill_ranks", None)
+                if kill is not None:
+                    kill()
                 os._exit(3)

@@ -55,6 +55,7 @@ class Stats(msgspec.Struct, tag=True):
     """The engine's stats, sent whenever they change (before the outputs of the same step)."""
 
     stats: dict
+    group: int = 0  # DP attention: the attention group that sent them
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -96,8 +97,13 @@ class IpcPaths(msgspec.Struct):
         folder = tempfile.mkdtemp(prefix="dsaserve-ipc-")
         return cls(f"ipc://{folder}/to_engine", f"ipc://{folder}/from_engine")
 
-    def cleanup(self) -> None:
-        for address in (self.to_engine, self.from_engine):
+    def for_group(self, group: int) -> IpcPaths:
+        """DP attention: group g's leader has its own request socket; outputs share one."""
+        return IpcPaths(self.to_engine + (f"_{group}" if group else ""), self.from_engine)
+
+    def cleanup(self, groups: int = 1) -> None:
+        extra = [self.for_group(g).to_engine for g in range(1, groups)]
+        for address in (self.to_engine, self.from_engine, *extra):
             path = address.removeprefix("ipc://")
             if os.path.exists(path):
                 os.unlink(path)

@@ -42,12 +42,37 @@ ENGINE_STOP_TIMEOUT_S = 10.0
 def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli(argv)
+        check_layout(args)
+        if args.node_rank > 0:
+            from dsaserve.distributed.node import serve_node
+
+            return serve_node(args)
         tokenizer = load_tokenizer(args)
     except (ArgsError, ParserConfigError) as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     return asyncio.run(serve(args, tokenizer))
+
+
+def check_layout(args: ServerArgs) -> None:
+    """Refuse a parallel layout that cannot work before any process starts (one line)."""
+    sizes = (args.tp_size, args.dp_size, args.ep_size, args.nnodes)
+    if sizes == (1, 1, 1, 1) and not args.enable_dp_attention:
+        return
+    from dsaserve.distributed.checks import check_parallel, moe_backend_note
+    from dsaserve.engine.engine import _device
+    from dsaserve.model_config import ConfigError, ModelConfig
+
+    device = _device(args.device).type
+    try:
+        config = ModelConfig.from_hf(args.model_path)
+    except ConfigError as e:
+        raise ArgsError(str(e)) from None
+    check_parallel(args, config, device)
+    note = moe_backend_note(args, device)
+    if note:
+        print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(args: ServerArgs) -> Any:
@@ -101,7 +126,13 @@ class DrainingServer(uvicorn.Server):
 
 async def serve(args: ServerArgs, tokenizer: Any) -> int:
     paths = ipc.IpcPaths.fresh()
-    engine = EngineClient(paths)
+    groups = args.dp_size if args.enable_dp_attention else 1
+    if groups > 1:
+        from dsaserve.distributed.controller import DPEngineClient
+
+        engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
+    else:
+        engine = EngineClient(paths)
     process = start_engine(args, paths)
     engine.start(process)
     state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder())
@@ -123,7 +154,7 @@ async def serve(args: ServerArgs, tokenizer: Any) -> int:
         await asyncio.gather(serving, return_exceptions=True)
         await stop_engine(engine, process)
         state.body_decoder.close()
-        paths.cleanup()
+        paths.cleanup(groups)
     return code
 
 

@@ -1,0 +1,94 @@
+"""Refuse a parallel layout that cannot work before any process starts: one line, naming the
+flag."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from dsaserve.args import ArgsError
+from dsaserve.distributed.parallel_state import ParallelSizes
+from dsaserve.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_parallel(args: Any, config: ModelConfig, device_type: str) -> None:
+    sizes = ParallelSizes.from_args(args)
+    _check_flags(args, sizes)
+    _check_model(sizes, config)
+    if device_type == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < sizes.ranks_per_node:
+            raise ArgsError(f"--tp {sizes.tp}: NCCL needs {sizes.ranks_per_node} CUDA devices on "
+                            f"this node, found {have}")  # fmt: skip
+
+
+def _check_flags(args: Any, sizes: ParallelSizes) -> None:
+    if sizes.dp > 1 and not sizes.dp_attention:
+        raise ArgsError(f"--dp {sizes.dp}: data-parallel replicas are not supported; add "
+                        "--enable-dp-attention (or use --dp 1)")  # fmt: skip
+    if sizes.dp > sizes.tp or sizes.tp % sizes.dp:
+        raise ArgsError(f"--dp {sizes.dp} must divide --tp {sizes.tp}")
+    if sizes.tp % sizes.ep:
+        raise ArgsError(f"--ep {sizes.ep} must divide --tp {sizes.tp}")
+    if sizes.tp % args.nnodes:
+        raise ArgsError(f"--nnodes {args.nnodes} must divide --tp {sizes.tp}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ArgsError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ArgsError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+    if args.nnodes > 1 and sizes.dp_attention and sizes.dp > 1:
+        raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
+                        "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
+    if sizes.tp > 1 and args.enable_hierarchical_cache:
+        raise ArgsError(f"--enable-hierarchical-cache with --tp {sizes.tp}: the host tier moves one "
+                        "rank's KV only in this build; use --tp 1")  # fmt: skip
+    if sizes.tp > 1 and args.disaggregation_mode != "null":
+        raise ArgsError(f"--disaggregation-mode with --tp {sizes.tp}: PD roles run one rank in "
+                        "this build; use --tp 1")  # fmt: skip
+    if args.dist_init_addr and not _is_host_port(args.dist_init_addr):
+        raise ArgsError(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
+
+
+def _is_host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+def _check_model(sizes: ParallelSizes, config: ModelConfig) -> None:
+    heads = config.num_attention_heads
+    if heads % sizes.attn_tp:
+        flag = f"--tp {sizes.tp}" + (f" --dp {sizes.dp}" if sizes.dp_attention else "")
+        raise ArgsError(f"{flag}: attention TP {sizes.attn_tp} does not divide the model's "
+                        f"{heads} attention heads")  # fmt: skip
+    if config.n_routed_experts % sizes.ep:
+        raise ArgsError(f"--ep {sizes.ep} does not divide the model's {config.n_routed_experts} "
+                        "routed experts")  # fmt: skip
+    if config.moe_intermediate_size % sizes.moe_tp:
+        raise ArgsError(f"--tp {sizes.tp} --ep {sizes.ep}: {sizes.moe_tp} does not divide the "
+                        f"expert size {config.moe_intermediate_size}")  # fmt: skip
+    inter = [config.intermediate_size, config.moe_intermediate_size * config.n_shared_experts]
+    for size in inter:
+        if size and size % sizes.tp:
+            raise ArgsError(f"--tp {sizes.tp} does not divide the MLP size {size}")
+
+
+def moe_backend_note(args: Any, device_type: str) -> str | None:
+    """--moe-a2a-backend deepep: what runs instead (printed at start). This build dispatches
+    experts with torch.distributed everywhere; DeepEP kernels are not wired in yet."""
+    if args.moe_a2a_backend != "deepep":
+        return None
+    fallback = "experts are dispatched with torch.distributed (all-reduce of partial outputs)"
+    if device_type == "cuda":
+        try:
+            import deep_ep  # noqa: F401
+
+            why = "deep_ep imports but its kernels are not used yet"
+        except ImportError:
+            why = "DeepEP is not available (deep_ep is not importable)"
+    else:
+        why = "DeepEP is not available on CPU"
+    return f"--moe-a2a-backend deepep: {why}; {fallback}"

@@ -1,0 +1,54 @@
+"""What a spawned rank runs: the rank loop over its model shard, or another group's engine.
+
+A follower (any rank but its attention group's first) loads its shard and a KV pool of the
+agreed size, then joins every round until STOP. Under DP attention the first rank of groups
+1..dp-1 is a full engine (scheduler, KV pool, radix cache) with its own request socket.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from dsaserve.distributed.ranks import Endpoint, init_rank, rank_threads
+from dsaserve.distributed.rounds import RankRunner
+
+
+def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
+    from dsaserve.engine.engine import _device
+
+    device = _device(args.device)
+    parallel = init_rank(args, rank, where, device.type)
+    rank_threads(parallel.sizes)
+    if parallel.is_leader:  # another DP-attention group's scheduler
+        from dsaserve.server.engine_process import run_group_leader
+
+        return run_group_leader(args, extra, parallel)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    runner = follower_runner(args, parallel, device)
+    runner.follow()
+    return 0
+
+
+def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunner:
+    from dsaserve.args import speculative_settings
+    from dsaserve.engine.engine import _dtype, load_model, pool_pages
+    from dsaserve.engine.kv_pool import KVPool
+    from dsaserve.engine.kv_quant import resolve_kv_dtype
+    from dsaserve.model_config import ModelConfig
+    from dsaserve.models.dsa_moe import index_cache_ids
+
+    config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
+    dtype = _dtype(args.dtype, config, device)
+    spec = speculative_settings(args)
+    with_mtp = bool(spec) and spec[0] > 0
+    model = load_model(args, config, dtype, device, with_mtp, parallel, show_progress=False)
+    stored = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)  # the leader's pool layout
+    pages = pool_pages(args, config, with_mtp, stored, device, parallel)
+    index_layers = len(index_cache_ids(config, with_mtp))
+    pool = KVPool(config, pages, args.page_size or 64, index_layers, with_mtp, stored, device,
+                  fp8=stored == torch.uint8)  # fmt: skip
+    return RankRunner(model, pool.kv_cache, pool.index_cache, parallel, device)

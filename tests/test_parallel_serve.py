@@ -1,0 +1,257 @@
+"""`dsaserve serve` with real ranks (gloo, OS-picked ports) against the single-process engine.
+
+Through the openai SDK, fp32 random checkpoints (GLM with a shared indexer layer and an MTP layer,
+EAGLE on; DeepSeek-V3.2 with YaRN), prompts longer than index_topk and than the prefill chunk,
+a radix-cache hit: greedy tokens identical and per-step logprobs within 1e-4 for every layout.
+Faults: kill -9 of a rank mid-stream, of node 1; the process tree is checked empty after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_harness import group_members, running_server, stop_group
+from speculative_models import make_mtp_checkpoint
+from tiny_models import make_checkpoint
+
+from dsaserve import LLM, SamplingParams
+
+LONG = [(7 * i + 3) % 300 + 1 for i in range(40)]  # > index_topk (8), > the chunk (16)
+PROMPTS = [LONG, [5, 17, 99, 3, 250], [(11 * i) % 290 + 2 for i in range(23)]]
+CACHED = LONG[:32] + [9, 8, 7, 6]  # two cached pages of 16
+NEW = 6
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "16", "--watchdog-timeout", "60"]
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("par_glm") / "ckpt"
+    return make_mtp_checkpoint(folder, "glm", seed=3, indexer_types=["full", "shared", "full"])
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    # vocab 383: not a multiple of 2, so the vocab-parallel embedding and LM head are padded
+    folder = tmp_path_factory.mktemp("par_dsv") / "ckpt"
+    return make_checkpoint(folder, "deepseek", seed=2, vocab_size=383)
+
+
+def reference(model, spec: bool) -> list[tuple[str, list[float]]]:
+    extra = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2} if spec else {}
+    llm = LLM(str(model), dtype="float32", max_total_tokens=4096, page_size=16,
+              chunked_prefill_size=16, **extra)  # fmt: skip
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([*PROMPTS, CACHED], params, use_tqdm=False)
+    return [(o.text, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+
+def complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]]:
+    """Greedy text and the logprob of each step's token."""
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=NEW, temperature=0,
+                                  logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
+
+
+def check_layout(server, expected) -> dict:
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched together (and across DP groups)
+        got = list(pool.map(lambda p: complete(client, p), PROMPTS))
+    got.append(complete(client, CACHED))  # after LONG finished: a radix-cache hit
+    for (text, lps), (want_text, want_lps) in zip(got, expected):
+        assert text == want_text and len(lps) == len(want_lps) == NEW
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
+    info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+    assert info["internal_states"][0]["cached_tokens"] >= 32
+    return info["internal_states"][0]
+
+
+def assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
+        time.sleep(0.2)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_rank_mid_stream(server, rank_pid: int) -> None:
+    """kill -9 `rank_pid` while a stream runs: the stream errors, /health turns 503, and the
+    engine process and every rank are gone (the API process stays, answering 503)."""
+    engine = [p for p in children(server.process.pid) if "resource_tracker" not in cmdline(p)]
+    ranks = [pid for e in engine for pid in children(e)]
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+    stream = client.completions.create(model="m", prompt=LONG, max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    with pytest.raises(Exception):  # noqa: B017 - an error event or a dropped stream
+        for i, chunk in enumerate(stream):
+            if i == 2:
+                os.kill(rank_pid, signal.SIGKILL)
+            if chunk.choices and chunk.choices[0].finish_reason == "length":
+                break
+        else:
+            raise AssertionError("stream ended without an error")
+    deadline = time.monotonic() + 30
+    while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert_gone([*engine, *ranks])
+
+
+def rank_pids(api_pid: int) -> list[int]:
+    """The ranks the engine process (rank 0) started."""
+    engine = [p for p in children(api_pid) if "resource_tracker" not in cmdline(p)]
+    return [pid for e in engine for pid in children(e)]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid`, from /proc (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def test_glm_eagle_tp_and_dp_attention_layouts(glm):
+    expected = reference(glm, spec=True)
+    with running_server(glm, *COMMON, *EAGLE, "--tp", "2") as server:
+        check_layout(server, expected)
+    flags = ["--tp", "4", "--dp", "2", "--ep", "4", "--enable-dp-attention",
+             "--moe-a2a-backend", "deepep"]  # fmt: skip
+    with running_server(glm, *COMMON, *EAGLE, *flags) as server:
+        stats = check_layout(server, expected)
+        assert len(stats["dp_groups"]) == 2
+        assert "DeepEP is not available" in server.output()
+    flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention",
+             "--load-balance-method", "shortest_queue", "--enable-metrics"]  # fmt: skip
+    with running_server(glm, *COMMON, *EAGLE, *flags) as server:
+        stats = check_layout(server, expected)
+        groups = stats["dp_groups"]
+        assert all(g["prompt_tokens"] > 0 for g in groups)  # both groups served requests
+        assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
+        load = httpx.get(server.url + "/get_load", timeout=30).json()
+        assert [entry["dp_rank"] for entry in load] == [0, 1]
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'sglang:dp_kv_used_tokens{model_name="ckpt",dp_rank="1"}' in metrics
+        kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
+
+
+def test_offline_llm_drives_the_same_ranks(deepseek):
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    kw = dict(dtype="float32", max_total_tokens=2048, page_size=16, chunked_prefill_size=16)
+    want = LLM(str(deepseek), **kw).generate(PROMPTS, params, use_tqdm=False)
+    before = children(os.getpid())
+    with LLM(str(deepseek), tp_size=2, ep_size=2, **kw) as llm:
+        ranks = [pid for pid in children(os.getpid()) if pid not in before]
+        assert len(ranks) == 1
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert_gone(ranks)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def hang_rank(server, timeout: float) -> None:
+    """SIGSTOP a rank: within --watchdog-timeout the request fails, /health turns 503 and the
+    engine and every rank (the stopped one too) are gone."""
+    engine = [p for p in children(server.process.pid) if "resource_tracker" not in cmdline(p)]
+    ranks = [pid for e in engine for pid in children(e)]
+    os.kill(ranks[0], signal.SIGSTOP)
+    started = time.monotonic()
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+    with pytest.raises(openai.APIError):
+        client.completions.create(model="m", prompt=LONG, max_tokens=4)
+    assert time.monotonic() - started < timeout + 30
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+    assert_gone([*engine, *ranks])
+
+
+def test_deepseek_tp_ep_and_two_nodes(deepseek):
+    expected = reference(deepseek, spec=False)
+    flags = [*COMMON, "--tp", "2", "--ep", "2", "--watchdog-timeout", "15"]
+    with running_server(deepseek, *flags) as server:
+        check_layout(server, expected)
+        hang_rank(server, 15)
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek), *COMMON,
+         "--max-total-tokens", "4096", "--page-size", "16", *nodes, "--node-rank", "1"],
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with running_server(deepseek, *COMMON, *nodes, "--node-rank", "0") as server:
+            check_layout(server, expected)
+            kill_rank_mid_stream(server, node1.pid)  # node 1 (launcher; its rank follows)
+        assert node1.wait(30) is not None
+    finally:
+        stop_group(node1)
+    assert not group_members(node1.pid)
+
+
+def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
+    addr = f"127.0.0.1:{free_port()}"  # nobody listens there
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),
+               "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+               "--watchdog-timeout", "2"]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert addr in done.stderr and "within 2s" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tp", "3"], "does not divide the model's 4 attention heads"),
+        (["--tp", "2", "--ep", "3"], "--ep 3 must divide --tp 2"),
+        (["--tp", "2", "--dp", "4", "--enable-dp-attention"], "--dp 4 must divide --tp 2"),
+        (["--tp", "2", "--dp", "2"], "add --enable-dp-attention"),
+    ],
+)
+def test_layout_refused_before_any_process(deepseek, flags, message, capsys):
+    from dsaserve.server.launch import main
+
+    before = children(os.getpid())
+    assert main(["--model-path", str(deepseek), "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    assert children(os.getpid()) == before  # nothing was started
