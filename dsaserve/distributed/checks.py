@@ -44,8 +44,8 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
         raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
                         "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
     if sizes.tp > 1 and args.enable_hierarchical_cache:
-        raise ArgsError(f"--enable-hierarchical-cache with --tp {sizes.tp}: the host tier moves one "
-                        "rank's KV only in this build; use --tp 1")  # fmt: skip
+        raise ArgsError(f"--enable-hierarchical-cache with --tp {sizes.tp}: the host tier moves "
+                        "one rank's KV only in this build; use --tp 1")  # fmt: skip
     if sizes.tp > 1 and args.disaggregation_mode != "null":
         raise ArgsError(f"--disaggregation-mode with --tp {sizes.tp}: PD roles run one rank in "
                         "this build; use --tp 1")  # fmt: skip
