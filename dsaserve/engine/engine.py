@@ -406,11 +406,15 @@ def _sampling_params(fields: dict) -> SamplingParams:
 
 
 def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               with_mtp: bool, parallel: ParallelState,
-               show_progress: bool = True) -> DsaMoeForCausalLM:  # fmt: skip
-    """This rank's model (all of it in a single process), loaded and on `device`."""
+               with_mtp: bool, parallel: ParallelState, show_progress: bool = True,
+               before_load: Callable[[nn.Module], object] | None = None,
+               ) -> DsaMoeForCausalLM:  # fmt: skip
+    """This rank's model (all of it in a single process), loaded and on `device`;
+    `before_load` may swap modules first (FP8 Linears kept FP8)."""
     with torch.device("meta"):
         model = DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+    if before_load is not None:
+        before_load(model)
     load_checkpoint(model, args.model_path, dtype, show_progress=show_progress)
     model.to(device).eval().requires_grad_(False)
     model.rotary.inv_freq = model.rotary.inv_freq.to(device)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
@@ -47,7 +48,16 @@ class LayerWeights(NamedTuple):
 
 
 def _plain(*modules: nn.Module) -> bool:
-    return all(type(m) in (nn.Linear, nn.LayerNorm) for m in modules)
+    """Whole, unquantised Linears (a one-rank parallel Linear is a whole one)."""
+    return all(_whole(m) for m in modules)
+
+
+def _whole(module: nn.Module) -> bool:
+    if type(module) in (nn.Linear, nn.LayerNorm):
+        return True
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        return getattr(module.weight, "shard", None) is None  # one rank (the engine checks)
+    return False
 
 
 def _fused_weights(layer: nn.Module) -> LayerWeights | None:
