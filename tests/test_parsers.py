@@ -125,4 +125,4 @@ def test_auto_detection(tmp_path):
     assert resolve_reasoning_parser("auto", "{{ messages }}", vocab) is None
     assert resolve_tool_parser("none", glm5) is None
     with pytest.raises(ParserConfigError):
-        resolve_reasoning_parser("deepseek-v3", glm5, vocab)
+        resolve_reasoning_parser("qwen3", glm5, vocab)

@@ -89,11 +89,23 @@ APPLIES: list[tuple[str, PlanRequest, Callable[[Plan], bool]]] = [
     ("cp-interleave", R(hardware="H200", recipe="balanced", context_parallel="interleave"),
      lambda p: (a := serve_args(p)).enable_prefill_cp and a.cp_strategy == "interleave"
      and a.dp_size == 1 and a.attn_cp_size == 8 and not a.enable_dp_attention),
-    ("pd-disaggregation", R(pd="decode"),
+    ("pd-disaggregation", R(pd="decode", pd_transfer_backend="nixl"),
      lambda p: serve_args(p).disaggregation_mode == "decode"
+     and serve_args(p).disaggregation_transfer_backend == "nixl"
      and p.commands[-1].dsaserve.startswith("dsaserve router --pd-disaggregation --prefill ")),
-    ("hicache", R(hicache=True),
-     lambda p: serve_args(p).enable_hierarchical_cache and serve_args(p).hicache_ratio == 2),
+    ("hicache", R(hicache=True, hicache_write_policy="write_back"),
+     lambda p: serve_args(p).enable_hierarchical_cache and serve_args(p).hicache_ratio == 2
+     and serve_args(p).hicache_write_policy == "write_back"
+     and "--hicache-storage-backend" not in flags(p)),
+    ("hicache", R(hicache=True, hicache_storage="file"),
+     lambda p: "--hicache-write-policy write_through --hicache-storage-backend file"
+     in flags(p)),
+    ("dp-attention-choice", R(recipe="low-latency", dp_attention="on"),
+     lambda p: serve_args(p).enable_dp_attention and serve_args(p).dp_size == 8
+     and serve_args(p).speculative_num_steps == 5),
+    ("dp-attention-choice", R(recipe="balanced", dp_attention="off"),
+     lambda p: not serve_args(p).enable_dp_attention and serve_args(p).tp_size == 8
+     and serve_args(p).moe_a2a_backend is None),
     ("balanced-max-running", R(recipe="balanced", input_len=4096, output_len=1024),
      lambda p: serve_args(p).max_running_requests == p.memory.concurrency
      == p.memory.kv_ranks * (p.memory.tokens_per_rank // 5120)),
@@ -107,6 +119,9 @@ REFUSES: list[tuple[str, PlanRequest]] = [
     ("nvfp4-blackwell-only", R(model="GLM-5.3-NVFP4", hardware="H200")),
     ("amd-single-node", R(hardware="MI355X", nodes=2)),
     ("cpu-tp-only", R(hardware="CPU", model="__tiny__", recipe="balanced", input_len=64)),
+    ("bf16-plain-tp", R(model="GLM-5.3-BF16", hardware="B300", dp_attention="on")),
+    ("amd-rocm", R(hardware="MI355X", dp_attention="on")),
+    ("cp-interleave", R(context_parallel="interleave", dp_attention="on")),
     ("cp-no-zigzag", R(context_parallel="zigzag")),
     ("cp-not-on-decode", R(context_parallel="interleave", pd="decode")),
     ("cp-hopper-only", R(hardware="B200", context_parallel="interleave")),

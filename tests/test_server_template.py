@@ -90,7 +90,6 @@ def test_start_up_flag_errors(folder: Path, capsys: pytest.CaptureFixture):
     with pytest.raises(SystemExit):
         launch.main(["--model-path", str(folder), "--no-such-flag"])
     assert launch.main(["--model-path", str(folder / "missing")]) == 2
-    assert launch.main(["--model-path", str(folder), "--reasoning-parser", "deepseek-v3"]) == 2
     assert launch.main(["--model-path", str(folder), "--tp", "0"]) == 2
     assert "--tp-size must be >= 1" in capsys.readouterr().err
 

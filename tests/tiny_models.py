@@ -1,7 +1,7 @@
 """Tiny random checkpoints saved by `transformers`, with a byte-level BPE tokenizer.
 
-`index_topk` is small so prompts longer than it run the sparse path; indexer heads >= 8 so exact
-score ties (ReLU zeros) stay rare, as in real models.
+`index_topk` is small so prompts longer than it run the sparse path; 8 indexer heads by default
+so exact score ties (ReLU zeros) stay rare, as in real models (the tie-break tests use 1-2).
 """
 
 from __future__ import annotations

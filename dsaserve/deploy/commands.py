@@ -17,7 +17,9 @@ FLAG_ORDER = [
     "--cp-strategy", "--attn-cp-size", "--chunked-prefill-size", "--max-running-requests",
     "--mem-fraction-static",
     "--watchdog-timeout", "--enable-hierarchical-cache", "--hicache-ratio",
-    "--disaggregation-mode", "--device", "--nnodes", "--node-rank", "--dist-init-addr",
+    "--hicache-write-policy", "--hicache-storage-backend",
+    "--disaggregation-mode", "--disaggregation-transfer-backend",
+    "--device", "--nnodes", "--node-rank", "--dist-init-addr",
     "--host", "--port",
 ]  # fmt: skip
 _PLAIN = re.compile(r"[\w@%+=:,./${}-]+")  # left unquoted, so ${VAR} stays expandable
@@ -44,8 +46,10 @@ def serve_flags(lay: Layout) -> dict[str, str | None]:
         flags["--ep"] = str(lay.ep)
     if lay.moe_a2a_backend:
         flags["--moe-a2a-backend"] = lay.moe_a2a_backend
-    flags["--reasoning-parser"] = m.reasoning_parser
-    flags["--tool-call-parser"] = m.tool_call_parser
+    if lay.request.reasoning_parser:
+        flags["--reasoning-parser"] = m.reasoning_parser
+    if lay.request.tool_call_parser:
+        flags["--tool-call-parser"] = m.tool_call_parser
     if spec:
         flags["--speculative-algorithm"] = spec.algorithm
         for name in ("num_steps", "eagle_topk", "num_draft_tokens"):

@@ -15,6 +15,10 @@ PD_ROLES = ("prefill", "decode", "router")
 SPECULATIVE = ("auto", "mtp", "none", "dflash2")
 KV_DTYPES = ("auto", "bf16", "fp8_e4m3")
 CP_STRATEGIES = ("interleave", "zigzag")
+DP_ATTENTION = ("auto", "on", "off")  # auto: as the recipe says
+PD_TRANSFER_BACKENDS = ("mooncake", "nixl")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_STORAGE = ("file", "mooncake", "hf3fs", "nixl")
 
 
 class Refusal(Exception):
@@ -35,8 +39,14 @@ class PlanRequest:
     recipe: str = "low-latency"
     nodes: int | None = None
     pd: str | None = None
+    pd_transfer_backend: str = "mooncake"
     hicache: bool = False
+    hicache_write_policy: str = "write_through"
+    hicache_storage: str | None = None
     context_parallel: str | None = None
+    dp_attention: str = "auto"
+    reasoning_parser: bool = True
+    tool_call_parser: bool = True
     speculative: str = "auto"
     kv_cache_dtype: str = "auto"
     input_len: int = 8192
@@ -51,6 +61,9 @@ class PlanRequest:
         choices = {
             "recipe": RECIPES, "pd": (None, *PD_ROLES), "speculative": SPECULATIVE,
             "kv_cache_dtype": KV_DTYPES, "context_parallel": (None, *CP_STRATEGIES),
+            "dp_attention": DP_ATTENTION, "pd_transfer_backend": PD_TRANSFER_BACKENDS,
+            "hicache_write_policy": HICACHE_WRITE_POLICIES,
+            "hicache_storage": (None, *HICACHE_STORAGE),
         }  # fmt: skip
         for name, allowed in choices.items():
             value = getattr(self, name)
@@ -76,7 +89,10 @@ class PlanRequest:
             if f.name in ("model", "hardware", "recipe") or value == getattr(defaults, f.name):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
+            if value is False:  # a switch that is on by default
+                argv.append("--no-" + flag[2:])
+            else:
+                argv += [flag] if value is True else [flag, str(value)]
         return argv
 
     def command(self) -> str:

@@ -66,6 +66,27 @@ def _high_throughput(lay: Layout) -> str | None:
     return f"TP{lay.tp} DP{lay.dp} EP{lay.ep}"
 
 
+@rule(
+    "dp-attention-choice",
+    "--dp-attention on/off overrides the recipe: on = DP attention + DeepEP over every GPU, "
+    "off = plain TP.",
+)
+def _dp_attention_choice(lay: Layout) -> str | None:
+    choice = lay.request.dp_attention
+    if choice == "off" and lay.dp_attention:
+        lay.plain_tp()
+        return f"TP{lay.tp}, no DP attention"
+    if choice == "on" and not lay.dp_attention:
+        _dp_attention_deepep(lay)
+        return f"TP{lay.tp} DP{lay.dp} EP{lay.ep}"
+    return None
+
+
+def _refuse_forced_dp_attention(lay: Layout, why: str) -> None:
+    if lay.request.dp_attention == "on":
+        raise Refuse(f"--dp-attention on: {why}")
+
+
 @rule("balanced-long-prefill", "balanced with long inputs (8K+): --chunked-prefill-size 32768.")
 def _long_prefill(lay: Layout) -> str | None:
     if lay.request.recipe != "balanced" or lay.request.input_len < 8192:
@@ -89,6 +110,7 @@ def _cpu(lay: Layout) -> str | None:
 def _bf16_plain_tp(lay: Layout) -> str | None:
     if lay.model.precision != "bf16" or not lay.dp_attention:
         return None
+    _refuse_forced_dp_attention(lay, "the BF16 layouts are plain TP")
     lay.plain_tp()
     return f"TP{lay.tp}, no DP attention or DeepEP"
 
@@ -109,6 +131,7 @@ def _nvfp4_no_deepep(lay: Layout) -> str | None:
 def _amd_rocm(lay: Layout) -> str | None:
     if not lay.hardware.is_amd:
         return None
+    _refuse_forced_dp_attention(lay, f"{lay.hardware.name} recipes are plain TP8")
     lay.plain_tp()
     lay.flags["--dsa-prefill-backend"] = lay.flags["--dsa-decode-backend"] = "tilelang"
     lay.flags.setdefault("--chunked-prefill-size", "131072")
@@ -151,6 +174,7 @@ def _cp_single_node(lay: Layout) -> str | None:
 def _cp_interleave(lay: Layout) -> str | None:
     if not lay.request.context_parallel:
         return None
+    _refuse_forced_dp_attention(lay, "interleave context parallelism runs with --dp 1")
     lay.plain_tp()
     lay.flags.update({"--enable-prefill-cp": None, "--cp-strategy": "interleave"})
     lay.flags["--attn-cp-size"] = str(lay.tp)
@@ -246,21 +270,36 @@ def _hopper_fp8_kv(lay: Layout) -> str | None:
 # ---------------------------------------------------------------- serving roles and caches
 
 
-@rule("pd-disaggregation", "PD: prefill and decode workers behind `dsaserve router`.")
+@rule(
+    "pd-disaggregation",
+    "PD: prefill and decode workers behind `dsaserve router`; KV moves by "
+    "--disaggregation-transfer-backend (mooncake or nixl).",
+)
 def _pd(lay: Layout) -> str | None:
     role = lay.request.pd
     if role not in ("prefill", "decode"):
         return None
+    backend = lay.request.pd_transfer_backend
     lay.flags["--disaggregation-mode"] = role
-    return f"{role} worker"
+    lay.flags["--disaggregation-transfer-backend"] = backend
+    return f"{role} worker, {backend}"
 
 
-@rule("hicache", "HiCache: host KV tier of --hicache-ratio 2 x the device pool (indexer keys too).")
+@rule(
+    "hicache",
+    "HiCache: host KV tier of --hicache-ratio 2 x the device pool (indexer keys too), with "
+    "--hicache-write-policy and an optional --hicache-storage-backend below it.",
+)
 def _hicache(lay: Layout) -> str | None:
-    if not lay.request.hicache:
+    request = lay.request
+    if not request.hicache:
         return None
     lay.flags.update({"--enable-hierarchical-cache": None, "--hicache-ratio": "2"})
-    return "--hicache-ratio 2"
+    lay.flags["--hicache-write-policy"] = request.hicache_write_policy
+    if request.hicache_storage:
+        lay.flags["--hicache-storage-backend"] = request.hicache_storage
+    storage = f", storage {request.hicache_storage}" if request.hicache_storage else ""
+    return f"--hicache-ratio 2, {request.hicache_write_policy}{storage}"
 
 
 # (precision, hardware or None, multi-node or None) -> --mem-fraction-static; first match wins

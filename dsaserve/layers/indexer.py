@@ -2,7 +2,9 @@
 
 I(t, s) = sum_h w_h(t) * n_heads^-0.5 * d^-0.5 * ReLU(q_h(t) . k(s)), causal, no softmax. The
 keys live in the pool's per-layer index cache. When the context is no longer than index_topk the
-selection is every token (attention is then exactly dense), so nothing is scored.
+selection is every token (attention is then exactly dense), so nothing is scored. Equal scores
+go to the earlier position (`topk_earliest`), so decode, prefill chunks, verify and draft rows
+keep the same keys for the same query over the same prefix (docs/determinism.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from torch import nn
 
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.rotary import apply_rotary
+from dsaserve.layers.topk import topk_earliest
 from dsaserve.model_config import ModelConfig
 
 WORKSPACE = 1 << 24  # elements of the largest score/gather buffer one row block may take
@@ -89,7 +92,7 @@ class Indexer(nn.Module):
             pos = first + torch.arange(block.start, block.stop)
             causal = torch.arange(seq.ctx_len)[None, :] <= pos[:, None]
             scores = scores.masked_fill(~causal, float("-inf"))
-            picks.append(scores.topk(self.topk, dim=-1).indices)
+            picks.append(topk_earliest(scores, self.topk))
         return torch.cat(picks)  # [n, topk]
 
     def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
@@ -100,4 +103,4 @@ class Indexer(nn.Module):
         scores = torch.relu(torch.einsum("bhd,bld->bhl", q[rows].float(), keys))
         scores = torch.einsum("bh,bhl->bl", weights[rows], scores)
         scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
-        return scores.topk(self.topk, dim=-1).indices  # [Bd, topk]
+        return topk_earliest(scores, self.topk)  # [Bd, topk]

@@ -17,6 +17,7 @@ from dsaserve import __version__
 from dsaserve.distributed.controller import dp_metrics_text, load_report
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from dsaserve.server.console import add_console_routes
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai import serving_chat, serving_completions
 from dsaserve.server.openai.protocol import (
@@ -53,6 +54,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     _add_generation_routes(route, state.args.max_request_bytes)
     _add_admin_routes(route, state)
+    add_console_routes(app, state.args.api_key, chat=True)  # no engine, no key, no gate
     return app
 
 

@@ -30,6 +30,7 @@ from dsaserve.server.parsers.registry import (
     resolve_tool_parser,
 )
 from dsaserve.server.state import ServerState
+from dsaserve.server.templates import model_type_of
 from dsaserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("dsaserve.server")
@@ -84,8 +85,10 @@ def load_tokenizer(args: ServerArgs) -> Any:
     except Exception as e:
         raise ArgsError(f"cannot load the tokenizer from {path}: {e}") from e
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    resolve_reasoning_parser(args.reasoning_parser, template or "", set(tokenizer.get_vocab()))
-    resolve_tool_parser(args.tool_call_parser, template or "")
+    model_type = model_type_of(args.model_path)
+    vocab = set(tokenizer.get_vocab())
+    resolve_reasoning_parser(args.reasoning_parser, template or "", vocab, model_type)
+    resolve_tool_parser(args.tool_call_parser, template or "", model_type)
     return tokenizer
 
 

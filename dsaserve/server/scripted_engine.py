@@ -1,8 +1,9 @@
 """A test hook: an engine that replays scripted outputs (for parser checks through HTTP).
 
 Random weights produce random text, so end-to-end parser tests ask for a script: a prompt that
-contains `[[script:KEY]]` gets the text of script KEY, a few characters per step, honouring stop
-strings and `max_tokens` (one step = one token). Other prompts go to the real engine, or, with no
+contains `[[script:KEY]]` gets the text of script KEY (the last such mark wins, so a conversation
+can change script turn by turn), a few characters per step, honouring stop strings and
+`max_tokens` (one step = one token). Other prompts go to the real engine, or, with no
 real engine (`DSASERVE_TEST_ENGINE=scripted`), produce filler words. Enabled only by the
 environment variables read in `engine_process.build_engine`; never used in normal serving.
 """
@@ -74,9 +75,9 @@ class ScriptedEngine:
 
     def add_request(self, request: GenerateRequest) -> None:
         prompt = self.tokenizer.decode(request.input_ids)
-        match = SCRIPT_MARK.search(prompt)
-        if match and match.group(1) in self.scripts:
-            self.active[request.rid] = self._script(request, self.scripts[match.group(1)])
+        marks = SCRIPT_MARK.findall(prompt)  # the last one: a conversation's latest turn
+        if marks and marks[-1] in self.scripts:
+            self.active[request.rid] = self._script(request, self.scripts[marks[-1]])
         elif self.real is not None:
             self.real.add_request(request)
         else:

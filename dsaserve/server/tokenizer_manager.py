@@ -1,7 +1,9 @@
 """Template and request preparation in the API process: messages -> prompt -> engine requests.
 
 The checkpoint's `chat_template.jinja` is rendered through the tokenizer with
-`chat_template_kwargs` merged over `--default-chat-template-kwargs`. OpenAI JSON-string tool-call
+`chat_template_kwargs` merged over `--default-chat-template-kwargs`; a DeepSeek-V3.2 checkpoint
+without one gets its built-in encoder (`templates/deepseek_v32.py`, thinking from the `thinking`
+kwarg). OpenAI JSON-string tool-call
 arguments in the history become objects (the GLM template renders them key by key). The parser
 mode follows what the rendered prompt ends with: `<think>` means the output starts in reasoning.
 """
@@ -19,7 +21,13 @@ from dsaserve.args import ServerArgs
 from dsaserve.engine.io import GenerateRequest
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.server.errors import APIError, bad_request
-from dsaserve.server.parsers.registry import resolve_reasoning_parser, resolve_tool_parser
+from dsaserve.server.parsers import tool_dsml
+from dsaserve.server.parsers.registry import (
+    DEEPSEEK_V32,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+)
+from dsaserve.server.templates import deepseek_v32, model_type_of
 
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 
@@ -49,15 +57,23 @@ class TokenizerManager:
         self.context_length = int(args.context_length or engine_info["context_length"])
         self.generation_defaults = engine_info.get("generation_defaults") or {}
         vocab = set(tokenizer.get_vocab())
+        model_type = model_type_of(args.model_path)
+        deepseek = model_type == DEEPSEEK_V32 or args.tool_call_parser == "deepseekv32"
+        self.builtin_encoder = not self.template and deepseek  # as sglang picks its dsv32 encoder
         self.reasoning_parser = resolve_reasoning_parser(
-            args.reasoning_parser, self.template, vocab
+            args.reasoning_parser, self.template, vocab, model_type
         )
-        self.tool_parser = resolve_tool_parser(args.tool_call_parser, self.template)
+        self.tool_parser = resolve_tool_parser(args.tool_call_parser, self.template, model_type)
         self.default_kwargs = args.chat_template_defaults()
         self.model_name = args.served_model_name or Path(args.model_path).name
 
     # ---- chat
     def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+        if self.builtin_encoder:
+            try:
+                return deepseek_v32.render_chat(messages, tools, bool(kwargs.get("thinking")))
+            except (ValueError, KeyError, TypeError) as e:
+                raise bad_request(f"cannot render the prompt: {e}", "messages") from e
         if not self.template:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         try:
@@ -71,6 +87,7 @@ class TokenizerManager:
         kwargs = {**self.default_kwargs, **(request_kwargs or {})}
         if reasoning_effort is not None:
             kwargs.setdefault("enable_thinking", reasoning_effort != "none")
+            kwargs.setdefault("thinking", reasoning_effort != "none")  # DeepSeek's switch
             kwargs.setdefault("reasoning_effort", reasoning_effort)
         return kwargs
 
@@ -115,6 +132,8 @@ class TokenizerManager:
         if self.tool_parser is None or not forcing:
             return {}
         vocab = self.tokenizer.get_vocab()
+        if self.tool_parser == "deepseekv32":
+            return self._dsml_forcing(tool_choice, prompt, vocab)
         if "<tool_call>" not in vocab:
             return {}
         forced = [vocab["<tool_call>"]]
@@ -123,6 +142,13 @@ class TokenizerManager:
         thinking = prompt.rstrip().endswith("<think>") and "</think>" in vocab
         trigger = vocab["</think>"] if thinking else None
         return {"force_token_ids": forced, "force_after_token_id": trigger}
+
+    def _dsml_forcing(self, tool_choice: Any, prompt: str, vocab: dict) -> dict:
+        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        forced = self.encode(tool_dsml.forced_call_text(name))
+        thinking = prompt.rstrip().endswith("<think>") and "</think>" in vocab
+        return {"force_token_ids": forced,
+                "force_after_token_id": vocab["</think>"] if thinking else None}  # fmt: skip
 
     def make_requests(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None

@@ -41,6 +41,7 @@ def to_chat_request(req: MessagesRequest) -> dict:
     kwargs: dict[str, Any] = {}
     if req.thinking is not None:
         kwargs["enable_thinking"] = req.thinking.get("type") != "disabled"
+        kwargs["thinking"] = kwargs["enable_thinking"]  # DeepSeek-V3.2's switch
     effort = (req.output_config or {}).get("effort")
     if effort is not None:
         body["reasoning_effort"] = EFFORT.get(effort, effort)

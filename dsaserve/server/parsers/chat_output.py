@@ -17,10 +17,12 @@ from dsaserve.server.parsers.events import (
     merge_events,
 )
 from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
+from dsaserve.server.parsers.tool_dsml import DsmlToolParser
 from dsaserve.server.parsers.tool_glm47 import Glm47ToolParser
 
 # Role and end-of-text markers the engine may leave in the text when special tokens are kept.
-END_MARKERS = ("<|endoftext|>", "<|user|>", "<|observation|>", "<|assistant|>", "<eop>")
+END_MARKERS = ("<|endoftext|>", "<|user|>", "<|observation|>", "<|assistant|>", "<eop>",
+               "<｜end▁of▁sentence｜>")  # fmt: skip
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ChatOutputParser:
     def __init__(
         self,
         reasoning: Glm45ReasoningParser | None = None,
-        tools: Glm47ToolParser | None = None,
+        tools: Glm47ToolParser | DsmlToolParser | None = None,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools

@@ -23,6 +23,8 @@ TOOL_START = "<tool_call>"
 class Glm45ReasoningParser:
     """Streaming reasoning splitter; feed text chunks, then call `finish(finish_type)`."""
 
+    exits: tuple[str, ...] = (TOOL_START,)  # tags that end reasoning and stay in the content
+
     def __init__(self, force_reasoning: bool) -> None:
         self.state = "leading" if force_reasoning else "start"
         self.buffer = ""
@@ -69,9 +71,9 @@ class Glm45ReasoningParser:
         return True
 
     def _step_reasoning(self, events: list[Event]) -> bool:
-        pos, tag = find_first(self.buffer, (THINK_END, TOOL_START))
+        pos, tag = find_first(self.buffer, (THINK_END, *self.exits))
         if tag is None:
-            keep = held_suffix(self.buffer, (THINK_END, TOOL_START))
+            keep = held_suffix(self.buffer, (THINK_END, *self.exits))
             emit = self.buffer[: len(self.buffer) - keep]
             self.buffer = self.buffer[len(emit) :]
             events.append(self._reason(emit))
