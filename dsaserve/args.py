@@ -182,14 +182,11 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
 
 def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    if args.attn_cp_size != 1:
-        raise ArgsError(
-            f"--attn-cp-size {args.attn_cp_size}: context parallelism is not available in this "
-            "build; use 1"
-        )
+    from dsaserve.distributed.context_parallel import check_context_parallel
+
+    check_context_parallel(args)
     features = {
         "enable_hierarchical_cache": "--enable-hierarchical-cache",
-        "enable_prefill_cp": "--enable-prefill-cp",
     }
     for name, flag in features.items():
         if getattr(args, name):
