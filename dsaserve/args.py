@@ -83,6 +83,7 @@ class ServerArgs:
     enable_prefill_cp: bool = False
     cp_strategy: str | None = None
     attn_cp_size: int = 1
+    enable_dsa_cache_layer_split: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -267,6 +268,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
     f("--cp-strategy", choices=["interleave", "zigzag"])
     f("--attn-cp-size", "--attention-context-parallel-size", type=int)
+    f("--enable-dsa-cache-layer-split", **on)
     f("--nnodes", type=int)
     f("--node-rank", type=int)
     f("--dist-init-addr")

@@ -35,12 +35,18 @@ def glm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("cp_dsv") / "ckpt", "deepseek", seed=2)
+    folder = tmp_path_factory.mktemp("cp_dsv") / "ckpt"  # 6 layers: LayerSplit keeps 3 + 1
+    return make_checkpoint(folder, "deepseek", seed=2, num_hidden_layers=6)
 
 
-def run(model, **kw) -> tuple[list, int]:
-    """Outputs of PROMPTS (batched), then of CACHED (a radix hit), and the bytes rank 0 received
-    in CP all-gathers."""
+@pytest.fixture(scope="module")
+def references(glm, deepseek):
+    return {"glm": run(glm, **EAGLE), "deepseek": run(deepseek)}
+
+
+def run(model, **kw) -> tuple[list, dict]:
+    """Outputs of PROMPTS (batched), then of CACHED (a radix hit), and rank 0's counters: bytes
+    received in CP all-gathers, bytes of LayerSplit fetches, bytes of its MLA KV tensors."""
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     with LLM(str(model), **BASE, **kw) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -48,8 +54,13 @@ def run(model, **kw) -> tuple[list, int]:
         model = llm.engine.model
         model = model.model if isinstance(model, DistributedModel) else model
         cps = [layer.self_attn.cp for layer in model.model.layers]
-        gathered = sum(cp.gathered_bytes for cp in cps if cp is not None)
-    return outs, gathered
+        kv = llm.engine.pool.kv_cache
+        counters = {
+            "gathered": sum(cp.gathered_bytes for cp in cps if cp is not None),
+            "fetched": getattr(kv, "fetched_bytes", 0),
+            "kv_bytes": kv.nbytes,
+        }
+    return outs, counters
 
 
 def check_same(want: list, got: list) -> None:
@@ -60,15 +71,22 @@ def check_same(want: list, got: list) -> None:
     assert got[-1].cached_tokens >= 48
 
 
-@pytest.mark.parametrize("kind", ["glm", "deepseek"])
-def test_cp2_matches_single_process(kind, glm, deepseek):
+@pytest.mark.parametrize(("kind", "split"), [("glm", False), ("glm", True), ("deepseek", True)])
+def test_cp2_matches_single_process(kind, split, glm, deepseek, references):
     model, extra = (glm, EAGLE) if kind == "glm" else (deepseek, {})
-    want, none = run(model, **extra)
-    assert none == 0
-    got, gathered = run(model, **CP, **extra)
+    flags = {**CP, **extra, "enable_dsa_cache_layer_split": split}
+    want, whole = references[kind]
+    got, counters = run(model, **flags)
     check_same(want, got)
     # every prompt token's latent entry (and indexer key) crossed from the other rank once
-    assert gathered > sum(len(p) for p in PROMPTS) * 32 * 4
+    assert counters["gathered"] > sum(len(p) for p in PROMPTS) * 32 * 4
+    assert (counters["fetched"] > 0) == split
+    # LayerSplit: rank 0 holds main layers 0, 2, ..., the MTP layer and one scratch layer (the
+    # same slots as the unsplit pool): deepseek's 6 layers -> 4/6 of the bytes; glm's 3 + MTP
+    # -> 4/4, no saving at 3 layers (the scratch costs one layer)
+    main, mtp = (3, 1) if kind == "glm" else (6, 0)
+    held = (len(range(0, main, 2)) + mtp + 1) if split else main + mtp
+    assert counters["kv_bytes"] * (main + mtp) == whole["kv_bytes"] * held
 
 
 @pytest.mark.parametrize(
@@ -80,6 +98,8 @@ def test_cp2_matches_single_process(kind, glm, deepseek):
         (dict(tp_size=4), "must equal --tp 4"),
         (dict(enable_prefill_cp=False), "add --enable-prefill-cp"),
         (dict(attn_cp_size=1), "needs --attn-cp-size > 1"),
+        (dict(enable_prefill_cp=False, attn_cp_size=1, enable_dsa_cache_layer_split=True),
+         "layer-split splits the KV over the CP ranks"),
     ],
 )  # fmt: skip
 def test_refused_layouts(flags, message):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from dsaserve.args import ArgsError
+from dsaserve.distributed.layer_split import check_layer_split, fetch_layer
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Selection, row_blocks
@@ -46,6 +47,7 @@ def check_context_parallel(args: Any) -> None:
     """Refuse a CP layout this build cannot run, in one line naming the flag."""
     n = args.attn_cp_size
     if n == 1 and not args.enable_prefill_cp:
+        check_layer_split(args)
         return
     if not args.enable_prefill_cp:
         raise ArgsError(f"--attn-cp-size {n}: context parallelism here is for prefill; add "
@@ -59,9 +61,12 @@ def check_context_parallel(args: Any) -> None:
                         "SGLang requires dp_size == 1)")  # fmt: skip
     if getattr(args, "disaggregation_mode", "null") == "decode":
         raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
+    check_layer_split(args)
     if args.tp_size != n:
-        raise ArgsError(f"--attn-cp-size {n} must equal --tp {args.tp_size}: the CP ranks are the "
-                        "TP ranks (attention TP inside a CP group is not supported yet)")  # fmt: skip
+        raise ArgsError(
+            f"--attn-cp-size {n} must equal --tp {args.tp_size}: the CP ranks are the TP ranks "
+            "(attention TP inside a CP group is not supported yet)"
+        )
 
 
 class ContextParallel:
@@ -115,6 +120,7 @@ class ContextParallel:
         cache = batch.kv_cache[attn.layer_id]
         entry = torch.cat([attn.kv_a_layernorm(latent), k_pe], -1).to(cache.dtype)
         cache.index_copy_(0, batch.out_slots, self.gather(entry, total))
+        fetch_layer(batch, attn.layer_id)  # LayerSplit: this layer's entries from their owner
         positions = self._positions(batch, total)[mine]
         if attn.indexer is not None:
             selection = self._index(attn.indexer, batch, xm, q_resid, cm, sm, positions)
@@ -151,7 +157,8 @@ class ContextParallel:
         k = torch.cat([apply_rotary(k[..., : ix.rope_dim], cm, sm, ix.interleave),
                        k[..., ix.rope_dim :]], dim=-1)  # fmt: skip
         cache = batch.index_cache[ix.cache_index]
-        cache.index_copy_(0, batch.out_slots, self.gather(k.to(cache.dtype), batch.out_slots.numel()))
+        new_keys = self.gather(k.to(cache.dtype), batch.out_slots.numel())
+        cache.index_copy_(0, batch.out_slots, new_keys)
         weights = ix.weights_proj(xm.to(ix.weights_proj.weight.dtype)).float()
         weights = weights * (ix.n_heads**-0.5 * ix.head_dim**-0.5)
         extends = []

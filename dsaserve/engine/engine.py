@@ -107,7 +107,8 @@ class Engine:
         num_pages = pool_pages(args, cfg, mtp, self.dtype, self.device, self.parallel)
         tokens = num_pages * page_size
         index_layers = len(index_cache_ids(cfg, mtp))
-        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device)
+        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, self.dtype, self.device,
+                           layer_split(args, self.parallel))  # fmt: skip
         if self.parallel.world > 1:
             from dsaserve.distributed.rounds import DistributedModel, RankRunner
 
@@ -311,6 +312,17 @@ def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, dtype: torch.dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
                                   itemsize)  # fmt: skip
+
+
+def layer_split(args: ServerArgs, parallel: ParallelState):
+    """The KV pool's LayerSplit hook (None unless --enable-dsa-cache-layer-split)."""
+    if not args.enable_dsa_cache_layer_split:
+        return None
+    from functools import partial
+
+    from dsaserve.distributed.layer_split import split_kv_cache
+
+    return partial(split_kv_cache, args, parallel)
 
 
 def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, dtype: torch.dtype,

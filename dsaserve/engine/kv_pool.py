@@ -6,6 +6,8 @@ at position i lives in slot pages[i // page_size] * page_size + i % page_size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dsaserve.model_config import ModelConfig
@@ -43,12 +45,21 @@ class KVPool:
         with_mtp: bool,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        split: Any = None,
     ) -> None:
+        """`split(layers, main_layers, slots, dim, dtype, device)` may return a stand-in for the
+        [layers, slots, entry] tensor (LayerSplit, dsaserve/distributed/layer_split.py)."""
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         layers = config.num_hidden_layers + int(with_mtp)
         slots = num_pages * page_size
-        self.kv_cache = torch.zeros(layers, slots, config.kv_entry_dim, dtype=dtype, device=device)
+        dim = config.kv_entry_dim
+        stand_in = split and split(layers, config.num_hidden_layers, slots, dim, dtype, device)
+        self.kv_cache = (
+            stand_in
+            if stand_in is not None
+            else torch.zeros(layers, slots, dim, dtype=dtype, device=device)
+        )
         self.index_cache = torch.zeros(
             num_index_layers, slots, config.index_head_dim, dtype=dtype, device=device
         )

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dsaserve.distributed.context_parallel import context_parallel
+from dsaserve.distributed.layer_split import fetch_layer
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
@@ -59,7 +60,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             heads * self.v_dim, h, parts, part, bias=bias,
             reduce=parallel.all_reduce_attn if parts > 1 else None,
-        )
+        )  # fmt: skip
         self.indexer = None if index_cache_id is None else Indexer(config, index_cache_id)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,6 +82,7 @@ class MLAttention(nn.Module):
         cache = batch.kv_cache[self.layer_id]
         entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
         cache.index_copy_(0, batch.out_slots, entry.to(cache.dtype))
+        fetch_layer(batch, self.layer_id)  # LayerSplit: this layer's entries from their owner
         selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
         w_uk, w_uv = self.absorbed()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
