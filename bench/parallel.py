@@ -56,6 +56,12 @@ def params_of(folder: Path) -> int:
     return total
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), so the split shows under load too."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(model: Path, tp: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(1)
     llm = LLM(str(model), tp_size=tp, max_running_requests=args.concurrency,
@@ -68,9 +74,12 @@ def run(model: Path, tp: int, args: argparse.Namespace) -> dict:
     parallel, runner = llm.engine.parallel, getattr(llm.engine.model, "runner", None)
     comm0, sync0 = parallel.comm_seconds, runner.sync_seconds if runner else 0.0
     steps0 = runner.rounds if runner else 0
+    pids = [os.getpid()] + [c.pid for c in (llm.engine.ranks.children if llm.engine.ranks else [])]
+    cpu0 = [cpu_seconds(pid) for pid in pids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
+    cpu = [round(cpu_seconds(pid) - c, 2) for pid, c in zip(pids, cpu0)]
     tokens = sum(len(o.token_ids) for o in outs)
     steps = args.output_len  # one decode step per output token (prefill: the first)
     record = {
@@ -80,6 +89,7 @@ def run(model: Path, tp: int, args: argparse.Namespace) -> dict:
         "sync_ms_per_step": round(1000 * ((runner.sync_seconds if runner else 0) - sync0)
                                   / steps, 2),
         "rounds_per_step": round(((runner.rounds if runner else 0) - steps0) / steps, 1),
+        "cpu_seconds_per_rank": cpu, "load_average": round(os.getloadavg()[0], 1),
     }  # fmt: skip
     llm.close()
     return record
@@ -107,16 +117,27 @@ def main() -> None:
                         "speedup_tp2": round(speedup, 2)})  # fmt: skip
     print(f"concurrency {args.concurrency}, input {args.input_len}, output {args.output_len}, "
           "one torch thread per rank")  # fmt: skip
-    print(f"{'model':14} {'params':>8} {'tp':>3} {'tok/s':>8} {'ms/step':>8} "
-          f"{'collective ms':>13} {'sync ms':>8} {'speed-up':>8}")  # fmt: skip
+    print(
+        f"{'model':14} {'params':>8} {'tp':>3} {'tok/s':>8} {'ms/step':>8} "
+        f"{'collective ms':>13} {'sync ms':>8} {'CPU s per rank':>16} {'speed-up':>8}"
+    )
     for r in results:
         for run_ in r["runs"]:
             up = f"{r['speedup_tp2']:.2f}x" if run_["tp"] == 2 else ""
-            print(f"{r['model']:14} {r['params'] / 1e6:7.1f}M {run_['tp']:>3} "
-                  f"{run_['output_tok_s']:>8} {run_['ms_per_step']:>8} "
-                  f"{run_['collective_ms_per_step']:>13} {run_['sync_ms_per_step']:>8} {up:>8}")
-    record = {"concurrency": args.concurrency, "input_len": args.input_len,
-              "output_len": args.output_len, "threads_per_rank": 1, "results": results}
+            cpu = "/".join(f"{c:.1f}" for c in run_["cpu_seconds_per_rank"])
+            print(
+                f"{r['model']:14} {r['params'] / 1e6:7.1f}M {run_['tp']:>3} "
+                f"{run_['output_tok_s']:>8} {run_['ms_per_step']:>8} "
+                f"{run_['collective_ms_per_step']:>13} {run_['sync_ms_per_step']:>8} "
+                f"{cpu:>16} {up:>8}"
+            )
+    record = {
+        "concurrency": args.concurrency,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "threads_per_rank": 1,
+        "results": results,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
 

@@ -43,7 +43,9 @@ def glm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("par_dsv") / "ckpt", "deepseek", seed=2)
+    # vocab 383: not a multiple of 2, so the vocab-parallel embedding and LM head are padded
+    folder = tmp_path_factory.mktemp("par_dsv") / "ckpt"
+    return make_checkpoint(folder, "deepseek", seed=2, vocab_size=383)
 
 
 def reference(model, spec: bool) -> list[tuple[str, list[float]]]:
@@ -149,12 +151,16 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm):
         assert len(stats["dp_groups"]) == 2
         assert "DeepEP is not available" in server.output()
     flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention",
-             "--load-balance-method", "shortest_queue"]  # fmt: skip
+             "--load-balance-method", "shortest_queue", "--enable-metrics"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
         stats = check_layout(server, expected)
         groups = stats["dp_groups"]
         assert all(g["prompt_tokens"] > 0 for g in groups)  # both groups served requests
         assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
+        load = httpx.get(server.url + "/get_load", timeout=30).json()
+        assert [entry["dp_rank"] for entry in load] == [0, 1]
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'sglang:dp_kv_used_tokens{model_name="ckpt",dp_rank="1"}' in metrics
         kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
 
 

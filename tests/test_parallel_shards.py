@@ -75,6 +75,15 @@ def slices_of(whole: dict, sizes: ParallelSizes, rank: int) -> dict[str, torch.T
 
 @pytest.mark.parametrize("block", [None, 24])  # 24: FP8 blocks straddle every shard edge
 def test_shards_are_the_whole_models_slices(folder, tmp_path, block):
+    check_slices(folder, tmp_path, block)
+
+
+def test_odd_vocab_shards_are_zero_padded(tmp_path):
+    odd = make_mtp_checkpoint(tmp_path / "odd", "glm", seed=6, vocab_size=381)
+    check_slices(odd, tmp_path, None)
+
+
+def check_slices(folder, tmp_path, block) -> None:
     source = folder
     if block is not None:
         source = tmp_path / "fp8"
@@ -84,4 +93,38 @@ def test_shards_are_the_whole_models_slices(folder, tmp_path, block):
     for rank in (1, 2):
         got = shard(source, sizes, rank).state_dict()
         for name, want in slices_of(whole, sizes, rank).items():
-            assert torch.equal(got[name], want), name
+            have = got[name]
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # padded vocab rows
+                assert not have[want.shape[0] :].any(), name
+                have = have[: want.shape[0]]
+            assert torch.equal(have, want), name
+
+
+def test_payload_round_trip():
+    """What a leader broadcasts for an op is rebuilt exactly on the other ranks."""
+    from dsaserve.distributed.payload import Op, OpInputs, pack, unpack
+    from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch
+    from dsaserve.layers.indexer import Selection
+
+    kv, index = torch.zeros(2, 64, 8), torch.zeros(1, 64, 4)
+    long = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    batch = ForwardBatch(long(1, 2, 3, 4), long(0, 1, 2, 7), long(5, 6, 7, 9),
+                         [ExtendSeq(0, 3, long(5, 6, 7))], long(3), long(8, 9).view(1, 2),
+                         torch.tensor([[True, False]]), long(2, 3), kv, index)  # fmt: skip
+    reuse = Selection([None, long(0, 2).view(1, 2)], torch.tensor([[True, False, True]]))
+    hidden = torch.randn(4, 16)
+    sent = OpInputs(Op.MTP, batch=batch, hidden=hidden, reuse=reuse)
+    got = unpack(Op.MTP, *pack(sent), kv, index, torch.device("cpu"))
+    for field in ("input_ids", "positions", "out_slots", "decode_rows", "decode_slots",
+                  "decode_valid", "logits_rows"):  # fmt: skip
+        want, have = getattr(batch, field), getattr(got.batch, field)
+        assert have.dtype == want.dtype and torch.equal(have, want), field
+    assert [(e.q_start, e.q_len, e.ctx_slots.tolist()) for e in got.batch.extends] == [
+        (0, 3, [5, 6, 7])
+    ]
+    assert got.batch.kv_cache is kv and got.batch.index_cache is index
+    assert torch.equal(got.hidden, hidden)
+    assert got.reuse.extends[0] is None and torch.equal(got.reuse.extends[1], reuse.extends[1])
+    assert got.reuse.decode.dtype == torch.bool and torch.equal(got.reuse.decode, reuse.decode)
+    logits = unpack(Op.LOGITS, *pack(OpInputs(Op.LOGITS, hidden=hidden)), kv, index, "cpu")
+    assert torch.equal(logits.hidden, hidden) and logits.batch is None

@@ -67,6 +67,7 @@ class DPEngineClient(EngineClient):
         self.prefixes = PrefixMap(page_size or PREFIX_BLOCK)
         self.ready_infos: list[dict] = []
         self.dispatched = [0] * groups
+        self._target: int | None = None  # the group `_send` addresses during a submit
 
     # ---- dispatch -------------------------------------------------------------------------
     def choose(self, request: GenerateRequest) -> int:
@@ -103,8 +104,8 @@ class DPEngineClient(EngineClient):
                     pass
 
     def _send(self, message: ipc.ToEngine) -> None:
-        target = getattr(self, "_target", None)
-        self._send_to(0 if target is None else target, message)
+        """EngineClient's one send path: a submit goes to the chosen group, the rest to 0."""
+        self._send_to(0 if self._target is None else self._target, message)
 
     def _send_to(self, group: int, message: ipc.ToEngine) -> None:
         try:
