@@ -10,7 +10,10 @@ The layouts the guide refuses are refused in one line.
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
+from server_harness import running_server
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
 
@@ -114,3 +117,22 @@ def test_refused_at_parse_time():
         ServerArgs(**{**CP, "tp_size": 4, "dp_size": 2, "enable_dp_attention": True})
     with pytest.raises(ArgsError, match="not allowed on decode workers"):
         ServerArgs(**CP, disaggregation_mode="decode")
+
+
+def test_served_through_openai_sdk(deepseek, references):
+    """`dsaserve serve --tp 2 --attn-cp-size 2 --enable-prefill-cp --cp-strategy interleave`:
+    the longest prompt, then the radix hit, through the openai SDK match the single process."""
+    want, _ = references["deepseek"]
+    flags = ["--dtype", "float32", "--chunked-prefill-size", "16", "--watchdog-timeout", "120",
+             "--tp", "2", "--attn-cp-size", "2", "--enable-prefill-cp", "--cp-strategy",
+             "interleave"]  # fmt: skip
+    with running_server(deepseek, *flags) as server:
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+        for prompt, expected in [(PROMPTS[0], want[0]), (CACHED, want[-1])]:
+            r = client.completions.create(model="m", prompt=prompt, max_tokens=NEW, temperature=0,
+                                          logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+            lps = r.choices[0].logprobs.token_logprobs
+            assert r.choices[0].text == expected.text
+            assert max(abs(a - b.logprob) for a, b in zip(lps, expected.logprobs)) < 1e-4
+        info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+        assert info["internal_states"][0]["cached_tokens"] >= 48
