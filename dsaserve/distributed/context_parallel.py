@@ -110,7 +110,7 @@ class ContextParallel:
         """MLAttention.forward for this rank's rows; returns every row's output and this
         rank's selection (reused by the layers that share the indexer, which split alike)."""
         batch, total = current_batch(), x.shape[0]
-        mine = self.rows(total)
+        mine = self.rows(total).to(x.device)
         xm, cm, sm = x[mine], cos[mine], sin[mine]
         q_resid = attn.q_a_layernorm(attn.q_a_proj(xm))
         q = attn.q_b_proj(q_resid).view(-1, attn.n_heads, attn.nope_dim + attn.rope_dim)
@@ -121,7 +121,7 @@ class ContextParallel:
         entry = torch.cat([attn.kv_a_layernorm(latent), k_pe], -1).to(cache.dtype)
         cache.index_copy_(0, batch.out_slots, self.gather(entry, total))
         fetch_layer(batch, attn.layer_id)  # LayerSplit: this layer's entries from their owner
-        positions = self._positions(batch, total)[mine]
+        positions = self._positions(batch, total).to(x.device)[mine]
         if attn.indexer is not None:
             selection = self._index(attn.indexer, batch, xm, q_resid, cm, sm, positions)
         else:
@@ -173,11 +173,11 @@ def _select(ix: Any, seq, q, weights, pos, cache) -> torch.Tensor | None:
     if seq.ctx_len <= ix.topk:
         return None
     keys = gather_rows(cache, seq.ctx_slots).float()
-    picks = [torch.zeros(0, ix.topk, dtype=torch.long)]
+    picks = [torch.zeros(0, ix.topk, dtype=torch.long, device=pos.device)]
     for block in row_blocks(len(pos), ix.n_heads * seq.ctx_len):
         scores = torch.relu(torch.einsum("nhd,ld->nhl", q[block].float(), keys))
         scores = torch.einsum("nh,nhl->nl", weights[block], scores)
-        causal = torch.arange(seq.ctx_len)[None, :] <= pos[block][:, None]
+        causal = torch.arange(seq.ctx_len, device=pos.device)[None, :] <= pos[block][:, None]
         picks.append(topk_earliest(scores.masked_fill(~causal, float("-inf")), ix.topk))
     return torch.cat(picks)
 
@@ -190,7 +190,7 @@ def _attend(attn: Any, q, ctx, pos, selected: torch.Tensor | None) -> torch.Tens
         limit = pos[rows][:, None]
         if selected is None:
             keys = ctx.expand(rows.stop - rows.start, -1, -1)
-            allowed = torch.arange(ctx.shape[0])[None, :] <= limit
+            allowed = torch.arange(ctx.shape[0], device=limit.device)[None, :] <= limit
         else:
             keys = ctx[selected[rows]]
             allowed = selected[rows] <= limit
