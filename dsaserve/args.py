@@ -113,6 +113,7 @@ class ServerArgs:
     enable_prefill_cp: bool = False
     cp_strategy: str | None = None
     attn_cp_size: int = 1
+    enable_dsa_cache_layer_split: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -250,17 +251,9 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
 
 def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    if args.attn_cp_size != 1:
-        raise ArgsError(
-            f"--attn-cp-size {args.attn_cp_size}: context parallelism is not available in this "
-            "build; use 1"
-        )
-    features = {
-        "enable_prefill_cp": "--enable-prefill-cp",
-    }
-    for name, flag in features.items():
-        if getattr(args, name):
-            raise ArgsError(f"{flag} is not available in this build yet; drop the flag")
+    from dsaserve.distributed.context_parallel import check_context_parallel
+
+    check_context_parallel(args)
     if args.disaggregation_mode != "null" and args.disaggregation_transfer_backend not in (
         "nixl",
         "mooncake",
@@ -365,6 +358,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
     f("--cp-strategy", choices=["interleave", "zigzag"])
     f("--attn-cp-size", "--attention-context-parallel-size", type=int)
+    f("--enable-dsa-cache-layer-split", **on)
     f("--nnodes", type=int)
     f("--node-rank", type=int)
     f("--dist-init-addr")

@@ -35,7 +35,7 @@ def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
 
 def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunner:
     from dsaserve.args import speculative_settings
-    from dsaserve.engine.engine import _dtype, load_model, pool_pages
+    from dsaserve.engine.engine import _dtype, layer_split, load_model, pool_pages
     from dsaserve.engine.kv_pool import KVPool
     from dsaserve.engine.kv_quant import resolve_kv_dtype
     from dsaserve.model_config import ModelConfig
@@ -50,5 +50,5 @@ def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunne
     pages = pool_pages(args, config, with_mtp, stored, device, parallel)
     index_layers = len(index_cache_ids(config, with_mtp))
     pool = KVPool(config, pages, args.page_size or 64, index_layers, with_mtp, stored, device,
-                  fp8=stored == torch.uint8)  # fmt: skip
+                  fp8=stored == torch.uint8, split=layer_split(args, parallel))  # fmt: skip
     return RankRunner(model, pool.kv_cache, pool.index_cache, parallel, device)

@@ -28,14 +28,22 @@ class ParallelSizes:
     ep: int = 1
     dp_attention: bool = False
     nnodes: int = 1
+    cp: int = 1  # context-parallel prefill ranks (the attention group's, see context_parallel)
 
     @classmethod
     def from_args(cls, args: Any) -> ParallelSizes:
-        return cls(args.tp_size, args.dp_size, args.ep_size, args.enable_dp_attention, args.nnodes)
+        cp = args.attn_cp_size if getattr(args, "enable_prefill_cp", False) else 1
+        return cls(args.tp_size, args.dp_size, args.ep_size, args.enable_dp_attention, args.nnodes,
+                   cp)  # fmt: skip
 
     @property
     def attn_tp(self) -> int:
         return self.tp // self.dp if self.dp_attention else self.tp
+
+    @property
+    def head_tp(self) -> int:
+        """Ways the attention heads are split: the attention group's ranks over the CP ranks."""
+        return self.attn_tp // self.cp
 
     @property
     def groups(self) -> int:
@@ -83,6 +91,15 @@ class ParallelState:
     @property
     def attn_rank(self) -> int:
         return self.rank % self.sizes.attn_tp
+
+    @property
+    def head_rank(self) -> int:
+        return self.attn_rank // self.sizes.cp
+
+    @property
+    def cp_group(self) -> Any:
+        """The CP ranks' device group: the attention group (CP spans it, heads are whole)."""
+        return self.attn_group
 
     @property
     def dp_rank(self) -> int:

@@ -139,9 +139,8 @@ class Engine:
         page_size = args.page_size or 64
         num_pages = pool_pages(args, cfg, mtp, stored, self.device, self.parallel)
         tokens = num_pages * page_size
-        self.pool = KVPool(
-            cfg, num_pages, page_size, index_layers, mtp, stored, self.device, fp8=fp8
-        )
+        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, stored, self.device,
+                           fp8=fp8, split=layer_split(args, self.parallel))  # fmt: skip
         if self.parallel.world > 1:
             from dsaserve.distributed.rounds import DistributedModel, RankRunner
 
@@ -425,6 +424,17 @@ def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, stored: torch.dtyp
     """KV bytes a token takes; `stored` is the pool's dtype (uint8: the FP8 layout)."""
     return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
                                   stored.itemsize, stored == torch.uint8)  # fmt: skip
+
+
+def layer_split(args: ServerArgs, parallel: ParallelState):
+    """The KV pool's LayerSplit hook (None unless --enable-dsa-cache-layer-split)."""
+    if not args.enable_dsa_cache_layer_split:
+        return None
+    from functools import partial
+
+    from dsaserve.distributed.layer_split import split_kv_cache
+
+    return partial(split_kv_cache, args, parallel)
 
 
 def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,

@@ -6,6 +6,8 @@ at position i lives in slot pages[i // page_size] * page_size + i % page_size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
@@ -45,7 +47,10 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         fp8: bool = False,
+        split: Any = None,
     ) -> None:
+        """`split(layers, main_layers, slots, dim, dtype, device)` may return a stand-in for the
+        [layers, slots, entry] tensor (LayerSplit, dsaserve/distributed/layer_split.py)."""
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         layers = config.num_hidden_layers + int(with_mtp)
@@ -56,7 +61,12 @@ class KVPool:
             dtype = torch.uint8
             entry = mla_entry_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
             key = index_key_bytes(key)
-        self.kv_cache = torch.zeros(layers, slots, entry, dtype=dtype, device=device)
+        stand_in = split and split(layers, config.num_hidden_layers, slots, entry, dtype, device)
+        self.kv_cache = (
+            stand_in
+            if stand_in is not None
+            else torch.zeros(layers, slots, entry, dtype=dtype, device=device)
+        )
         self.index_cache = torch.zeros(num_index_layers, slots, key, dtype=dtype, device=device)
 
     @property

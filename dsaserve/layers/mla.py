@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dsaserve.distributed.context_parallel import context_parallel
+from dsaserve.distributed.layer_split import fetch_layer
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch
@@ -35,7 +37,8 @@ class MLAttention(nn.Module):
     ) -> None:
         super().__init__()
         parallel = parallel or ParallelState.single()
-        parts, part = parallel.attn_tp, parallel.attn_rank
+        parts, part = parallel.sizes.head_tp, parallel.head_rank
+        self.cp = context_parallel(parallel)  # None unless --enable-prefill-cp
         self.layer_id = layer_id
         self.n_heads = config.num_attention_heads // parts  # this rank's heads
         self.nope_dim = config.qk_nope_head_dim
@@ -57,8 +60,9 @@ class MLAttention(nn.Module):
             self.rank, heads * (self.nope_dim + self.v_dim), parts, part
         )
         self.o_proj = RowParallelLinear(
-            heads * self.v_dim, h, parts, part, bias=bias, reduce=parallel.all_reduce_attn
-        )
+            heads * self.v_dim, h, parts, part, bias=bias,
+            reduce=parallel.all_reduce_attn if parts > 1 else None,
+        )  # fmt: skip
         self.indexer = None if index_cache_id is None else Indexer(config, index_cache_id)
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +74,8 @@ class MLAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Selection | None
     ) -> tuple[torch.Tensor, Selection]:
         batch = current_batch()
+        if self.cp is not None and self.cp.applies(batch):
+            return self.cp.attention(self, x, cos, sin, shared)
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(-1, self.n_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
@@ -78,6 +84,7 @@ class MLAttention(nn.Module):
         cache = batch.kv_cache[self.layer_id]
         entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
         KV_STORE.write_entry(cache, batch.out_slots, entry, self.rank)
+        fetch_layer(batch, self.layer_id)  # LayerSplit: this layer's entries from their owner
         selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
         w_uk, w_uv = self.absorbed()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]

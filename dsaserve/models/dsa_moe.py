@@ -85,6 +85,7 @@ class MTPLayer(DecoderLayer):
         parallel: ParallelState | None = None,
     ) -> None:
         super().__init__(config, layer_id, index_cache_id, parallel)
+        self.self_attn.cp = None  # never split: later draft steps reuse its selection
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
