@@ -23,6 +23,9 @@ from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.grammar.backend import make_backend
+from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
+from dsaserve.grammar.state import GrammarState
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
@@ -51,6 +54,7 @@ class Engine:
         self.eos_token_ids = list(self.generation_defaults.get("eos_token_id", []))
         self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
         self.sampler = Sampler(seed=args.random_seed)
+        self._init_grammar()
         self.reqs: dict[str, Req] = {}
         self.stats_counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
 
@@ -100,6 +104,12 @@ class Engine:
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
 
+    def _init_grammar(self) -> None:
+        name, vocab, stops = self.args.grammar_backend, self.model_config.vocab_size, self.eos_token_ids
+        factory = lambda: make_backend(name, self.tokenizer, vocab, stops)  # noqa: E731
+        self.grammars = None if name == "none" else GrammarCompiler(factory)
+        self.compiling = PendingGrammars()  # requests whose grammar is being compiled
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
         """Queue one completion. Raises ValueError (naming the field) for input it cannot serve."""
@@ -114,7 +124,10 @@ class Engine:
         )  # fmt: skip
         req = Req(request.rid, list(request.input_ids), params, state, detok, request.stream)
         self.reqs[req.rid] = req
-        self.scheduler.add(req)
+        if params.grammar is None:
+            self.scheduler.add(req)
+        else:
+            self.compiling.add(req, self.grammars.submit(*params.grammar))
 
     def _check_request(self, request: GenerateRequest, params: SamplingParams) -> None:
         if request.rid in self.reqs:
@@ -124,6 +137,8 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in request.input_ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if params.grammar is not None and self.grammars is None:
+            raise ValueError(f"{params.grammar[0]}: structured output is off (--grammar-backend none)")
         if len(request.input_ids) >= self.context_length:
             raise ValueError(
                 f"the prompt has {len(request.input_ids)} tokens; the context length is "
@@ -134,25 +149,45 @@ class Engine:
         req = self.reqs.pop(rid, None)
         if req is None:
             return None
+        self.compiling.discard(req)
         self.scheduler.finish(req)
         req.finish("abort")
         return req.take_output()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(len(self.compiling))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        refused = self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            return []
+            self.compiling.wait(0.005)  # nothing runnable: let the compile thread work
+            return refused
         self._count_prompt(scheduled)
         if self.spec is not None:
             self.spec.step(scheduled, self.sampler, self._append)
             self.spec.report.log_line(self.stats)
         else:
             self._step_plain(scheduled)
-        return self._collect(scheduled.reqs)
+        return refused + self._collect(scheduled.reqs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; answer those whose grammar failed."""
+        if not len(self.compiling):
+            return []
+        resolved = self.compiling.resolve()
+        for req, compiled in resolved.ready:
+            matcher = self.grammars.matcher(compiled)
+            req.sampling.grammar = GrammarState(matcher, req.params.grammar_after_token_id)
+            self.scheduler.add(req)
+        refused = []
+        for req, message in resolved.failed:
+            self.reqs.pop(req.rid, None)
+            req.error = f"{req.params.grammar[0]}: {message}"
+            req.finish("abort")
+            refused.append(req.take_output())
+        return refused
 
     def _step_plain(self, scheduled: ScheduledBatch) -> None:
         sampled, logits = self.runner.forward(scheduled)
@@ -185,6 +220,8 @@ class Engine:
             req.finish("stop", token)
         elif token in self.eos_token_ids and not params.ignore_eos:
             req.finish("stop", token)
+        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
+            req.finish("stop", token)  # the grammar is complete (it accepted a stop token)
         elif params.max_tokens is not None and n_out >= params.max_tokens:
             req.finish("length")
         elif len(req.prompt_ids) + n_out >= self.context_length:

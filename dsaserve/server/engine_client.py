@@ -156,7 +156,9 @@ class EngineClient:
                 if self.metrics is not None:
                     self.metrics.on_output(output)
                 if output.rid in self.queues:
-                    self.queues[output.rid].put_nowait(output)
+                    error = output.error  # refused after admission (a grammar that failed)
+                    item = output if error is None else APIError(400, error, param=_param(error))
+                    self.queues[output.rid].put_nowait(item)
         elif isinstance(message, ipc.Rejected):
             for rid in message.rids:
                 if self.metrics is not None:
@@ -193,3 +195,9 @@ class EngineClient:
                 future.set_exception(error)
         if not self.ready.done():
             self.ready.set_exception(error)
+
+
+def _param(error: str) -> str | None:
+    """The request field an engine-side refusal names ("json_schema: ..." -> json_schema)."""
+    head = error.split(":", 1)[0]
+    return head if head.isidentifier() else None

@@ -1,0 +1,37 @@
+"""Masking a batch of logits rows with their requests' grammars (one bitmask, one masked_fill).
+
+Only rows whose grammar is active are filled and masked; the others are left as they are. The
+bitmask is filled on the host (the matchers live there) and unpacked on the logits' device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def constrained_rows(states: list[Any]) -> list[int]:
+    """Rows whose next token the grammar decides (states: SamplingState-like, `.grammar`)."""
+    return [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.active]
+
+
+def apply_grammars(logits: torch.Tensor, states: list[Any], rows: list[int]) -> None:
+    """Set the logits of tokens the grammar forbids to -inf, in place, for `rows` of [B, V]."""
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        states[i].grammar.matcher.fill_bitmask(bitmask, j)
+    allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)  # [R, V] bool
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 [R, W] -> bool [R, vocab]: bit j of word w is token 32 w + j."""
+    bits = _BITS.to(bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
