@@ -7,13 +7,14 @@ spend its budget on runs of whitespace, a known way for constrained decoding nev
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from dsaserve.grammar.backend import GrammarBackend, GrammarChecker, GrammarError, Matcher
-from dsaserve.grammar.tool_calls import xgrammar_structural_tag
+from dsaserve.grammar.tool_calls import to_structural_tag
 
 COMPILE_THREADS = 2
 
@@ -38,7 +39,6 @@ class XGrammarBackend(GrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
-        self._vocab = set(tokenizer.get_vocab())
 
     def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         try:
@@ -49,8 +49,7 @@ class XGrammarBackend(GrammarBackend):
             if kind == "ebnf":
                 return self._compiler.compile_grammar(source)
             if kind == "tool_call_grammar":
-                tag = xgrammar_structural_tag(source, self._vocab)
-                return self._compiler.compile_structural_tag(tag)
+                return self._compiler.compile_structural_tag(json.dumps(to_structural_tag(source)))
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
@@ -78,13 +77,16 @@ class XGrammarChecker(GrammarChecker):
             elif kind == "ebnf":
                 xgr.Grammar.from_ebnf(source)
             elif kind == "tool_call_grammar":
-                xgr.Grammar.from_structural_tag(xgrammar_structural_tag(source, None))
+                xgr.Grammar.from_structural_tag(json.dumps(to_structural_tag(source)))
         except GrammarError:
             raise
         except Exception as e:
             raise GrammarError(f"cannot compile the {kind}: {_first_line(e)}") from e
 
 
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[07:39:29] /project/cpp/x.cc:5082: "
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]
+    return _LOG_PREFIX.sub("", text.splitlines()[0])[:300]

@@ -63,8 +63,19 @@ class StreamOptions(_Model):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_Model):
+    """`response_format.json_schema`: the schema is enforced by a grammar whatever `strict` says."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Model):
@@ -91,6 +102,10 @@ class SamplingFields(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: str | None = None
+    # SGLang's structured-output extras (dsaserve.server.structured)
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -29,8 +29,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat:
     """Template, tokenize, check limits, build sampling."""
     tm = state.tokenizer_manager
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("response_format other than 'text' is not supported", "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     tool_choice = req.tool_choice
     if hasattr(tool_choice, "model_dump"):
@@ -50,7 +48,7 @@ def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedChat
     parsing = tm.reasoning_parser is not None or (tm.tool_parser is not None and bool(tools))
     if parsing:
         fields["skip_special_tokens"] = False  # the parsers need the markup tokens
-    fields.update(tm.tool_call_forcing(tool_choice, prompt))
+    fields.update(tm.structured.chat_fields(req, tools, tool_choice, tm.tool_parser, prompt))
     sampling = tm.sampling(fields, tm.fit_max_tokens(len(input_ids), max_tokens, param))
     return PreparedChat(
         prompt=prompt, input_ids=input_ids, sampling=sampling,
