@@ -104,7 +104,7 @@ def raw_string_regex(schema: dict) -> str:
     if isinstance(schema.get("pattern"), str):
         return schema["pattern"].removeprefix("^").removesuffix("$")
     low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
-    return f"[^<]{{{low},{'' if high is None else int(high)}}}"
+    return f"[^<\\uD800-\\uDFFF]{{{low},{'' if high is None else int(high)}}}"
 
 
 def _escape(text: str) -> str:

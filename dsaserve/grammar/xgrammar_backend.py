@@ -2,6 +2,10 @@
 
 JSON is generated compactly (`any_whitespace=False`: `{"a": 1, "b": [2, 3]}`), so a model cannot
 spend its budget on runs of whitespace, a known way for constrained decoding never to finish.
+
+xgrammar 0.2.9 writes the characters of a length-bounded JSON string (`maxLength`/`minLength`)
+as `[^"\\\r\n]`, which lets raw control characters through (invalid JSON: `json.loads` refuses
+"\x1b") and encoded surrogates; `json_schema_grammar` narrows that class before compiling.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
-                return self._compiler.compile_json_schema(source, any_whitespace=False)
+                return self._compiler.compile_grammar(json_schema_grammar(source))
             if kind == "regex":
                 return self._compiler.compile_regex(source)
             if kind == "ebnf":
@@ -71,7 +75,7 @@ class XGrammarChecker(GrammarChecker):
         try:
             if kind == "json_schema":
                 json.loads(source)
-                xgr.Grammar.from_json_schema(source, any_whitespace=False)
+                json_schema_grammar(source)
             elif kind == "regex":
                 xgr.Grammar.from_regex(source)
             elif kind == "ebnf":
@@ -82,6 +86,19 @@ class XGrammarChecker(GrammarChecker):
             raise
         except Exception as e:
             raise GrammarError(f"cannot compile the {kind}: {_first_line(e)}") from e
+
+
+_LOOSE_CHARS = r'[^\"\\\r\n]'  # as xgrammar prints it
+# what JSON allows unescaped in a string, less UTF-16 surrogates (their UTF-8 bytes decode to
+# three U+FFFD each, which breaks maxLength)
+_JSON_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+
+
+def json_schema_grammar(schema: str) -> xgr.Grammar:
+    """The compact JSON grammar of a schema (with the string-class fix, see the module doc)."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[07:39:29] /project/cpp/x.cc:5082: "
