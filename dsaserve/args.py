@@ -235,8 +235,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--enable-metrics", **on)
     f("--enable-cache-report", action="store_true", default=True, help="the default (kept "
       "for SGLang command lines)")  # fmt: skip
-    parser.add_argument("--disable-cache-report", dest="enable_cache_report",
-                        action="store_false", help="omit cached-token counts from usage")
+    parser.add_argument(
+        "--disable-cache-report",
+        dest="enable_cache_report",
+        action="store_false",
+        help="omit cached-token counts from usage",
+    )
     f("--grammar-backend", choices=["xgrammar", "llguidance", "none"])
     f("--max-queued-requests", type=int)
     f("--watchdog-timeout", type=float)

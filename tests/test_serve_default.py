@@ -74,8 +74,10 @@ def test_guide_weather_call_under_tool_choice_required_and_named(client):
                                           messages=messages)  # fmt: skip
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("required", named):
-        reply = client.chat.completions.create(model="default", temperature=0, messages=messages,
-                                               tools=[WEATHER_TOOL], tool_choice=choice)  # fmt: skip
+        reply = client.chat.completions.create(
+            model="default", temperature=0, messages=messages, tools=[WEATHER_TOOL],
+            tool_choice=choice,
+        )  # fmt: skip
         message = reply.choices[0].message
         assert reply.choices[0].finish_reason == "tool_calls", message
         assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] \
@@ -88,8 +90,12 @@ def test_json_schema_answer_after_free_reasoning(client):
     the content is JSON that validates. (This model never saw JSON, so the number it writes
     there is not 36: see docs/server.md, Structured output.)"""
     question = [{"role": "user", "content": "What is 15% of 240?"}]
-    schema = {"type": "object", "required": ["answer"], "additionalProperties": False,
-              "properties": {"answer": {"type": "number", "minimum": 0, "maximum": 1000}}}
+    schema = {
+        "type": "object",
+        "required": ["answer"],
+        "additionalProperties": False,
+        "properties": {"answer": {"type": "number", "minimum": 0, "maximum": 1000}},
+    }
     free = client.chat.completions.create(model="default", temperature=0, messages=question)
     reply = client.chat.completions.create(
         model="default", temperature=0, messages=question, max_tokens=200,

@@ -101,8 +101,9 @@ def test_tool_choice_required_and_named_become_a_tool_call_grammar(folder: Path)
     vocab = tm.tokenizer.get_vocab()
     thinking = render(tm, [{"role": "user", "content": "hi"}], [TOOL])
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
-    fields = lambda choice, prompt: tm.structured.chat_fields(request, [TOOL], choice, "glm47",
-                                                              prompt)  # noqa: E731
+    fields = lambda choice, prompt: tm.structured.chat_fields(
+        request, [TOOL], choice, "glm47", prompt
+    )  # noqa: E731
     assert fields("auto", thinking) == {}  # not strict: no grammar
     assert fields("none", thinking) == {}
     required = fields("required", thinking)

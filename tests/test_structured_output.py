@@ -54,15 +54,40 @@ SCHEMAS = {
         "month": {"type": S, "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])$"}},
         "required": ["code", "month"]},
 }  # fmt: skip
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": S, "maxLength": 12}, "days": {"type": I, "minimum": 1, "maximum": 7},
-        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
-LOOKUP = {"type": "function", "function": {
-    "name": "lookup", "strict": True, "parameters": {"type": "object", "properties": {
-        "order_id": {"type": S, "pattern": "^[0-9]{5}$"},
-        "items": {"type": "array", "items": {"type": I, "minimum": 0, "maximum": 9},
-                  "maxItems": 3}}, "required": ["order_id", "items"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": S, "maxLength": 12},
+                "days": {"type": I, "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "order_id": {"type": S, "pattern": "^[0-9]{5}$"},
+                "items": {
+                    "type": "array",
+                    "items": {"type": I, "minimum": 0, "maximum": 9},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["order_id", "items"],
+        },
+    },
+}
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 
@@ -137,15 +162,30 @@ def test_json_object_and_unconstrained_noise(client: openai.OpenAI):
 
 
 def test_regex_and_ebnf_on_generate(server: Server):
-    cases = [("regex", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}"),
-             ("regex", r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\.",
-              r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\."),
-             ("ebnf", 'root ::= "(" num (op num){0,3} ")"\nnum ::= [1-9] [0-9]{0,2}\n'
-              'op ::= " + " | " * "', r"\([1-9][0-9]{0,2}(( \+ | \* )[1-9][0-9]{0,2}){0,3}\)")]
+    cases = [
+        ("regex", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}"),
+        (
+            "regex",
+            r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\.",
+            r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\.",
+        ),
+        (
+            "ebnf",
+            'root ::= "(" num (op num){0,3} ")"\nnum ::= [1-9] [0-9]{0,2}\nop ::= " + " | " * "',
+            r"\([1-9][0-9]{0,2}(( \+ | \* )[1-9][0-9]{0,2}){0,3}\)",
+        ),
+    ]
     for kind, grammar, check in cases:
         for seed in range(3):
-            body = {"text": "Say something:", "sampling_params": {
-                "max_new_tokens": 60, "temperature": 1.0, "seed": seed, kind: grammar}}
+            body = {
+                "text": "Say something:",
+                "sampling_params": {
+                    "max_new_tokens": 60,
+                    "temperature": 1.0,
+                    "seed": seed,
+                    kind: grammar,
+                },
+            }
             answer = httpx.post(server.url + "/generate", json=body, timeout=120).json()
             assert re.fullmatch(check, answer["text"]), (kind, answer)
             assert answer["meta_info"]["finish_reason"]["type"] == "stop"
@@ -177,7 +217,8 @@ def test_tool_choice_required_and_named_calls_validate(client: openai.OpenAI):
         assert streamed["finish_reason"] == "tool_calls"
         first = calls_of(out.choices[0].message)
         assert [json.loads(s["args"]) for s in streamed["tool_calls"].values()] == [
-            a for _, a in first]
+            a for _, a in first
+        ]
     # parallel calls: back to back until the model stops (a random one may not: max_tokens cuts
     # the last call, every complete one validates)
     out = client.chat.completions.create(model="m", messages=ask, tools=tools, n=3, seed=4,
@@ -209,7 +250,8 @@ def test_uncompilable_grammars_are_400_naming_the_field(client: openai.OpenAI, s
         body = {"text": "x", "sampling_params": {"max_new_tokens": 4, kind: grammar}}
         reply = httpx.post(server.url + "/generate", json=body, timeout=60)
         assert reply.status_code == 400 and reply.json()["error"]["param"] == (
-            f"sampling_params.{kind}"), reply.text
+            f"sampling_params.{kind}"
+        ), reply.text
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=PROMPT, tools=[WEATHER],
                                        tool_choice="required",

@@ -37,13 +37,20 @@ def greedy(**grammar) -> SamplingParams:
 @pytest.fixture(scope="module")
 def plain(checkpoint):
     llm = LLM(str(checkpoint), max_total_tokens=4096, page_size=16)
-    return {value: llm.generate(PROMPTS, greedy(**{kind: value}), use_tqdm=False)
-            for kind, value in GRAMMARS}
+    return {
+        value: llm.generate(PROMPTS, greedy(**{kind: value}), use_tqdm=False)
+        for kind, value in GRAMMARS
+    }
 
 
 def test_eagle_constrained_tokens_equal_plain(checkpoint, plain):
-    spec = LLM(str(checkpoint), max_total_tokens=4096, page_size=16,
-               speculative_algorithm="EAGLE", speculative_num_steps=3)  # the server runs 2
+    spec = LLM(
+        str(checkpoint),
+        max_total_tokens=4096,
+        page_size=16,
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+    )  # the server runs 2
     for kind, value in GRAMMARS:
         out = spec.generate(PROMPTS, greedy(**{kind: value}), use_tqdm=False)
         assert [o.token_ids for o in out] == [o.token_ids for o in plain[value]], value
@@ -59,6 +66,7 @@ def test_eagle_server_matches_through_the_sdk(checkpoint, plain):
         client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
         for kind, value in GRAMMARS[:2]:
             for prompt, want in zip(PROMPTS, plain[value]):
-                out = client.completions.create(model="m", prompt=prompt, max_tokens=80,
-                                                temperature=0, extra_body={kind: value})  # fmt: skip
+                out = client.completions.create(
+                    model="m", prompt=prompt, max_tokens=80, temperature=0, extra_body={kind: value}
+                )
                 assert out.choices[0].text == want.text

@@ -105,7 +105,11 @@ class Engine:
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
 
     def _init_grammar(self) -> None:
-        name, vocab, stops = self.args.grammar_backend, self.model_config.vocab_size, self.eos_token_ids
+        name, vocab, stops = (
+            self.args.grammar_backend,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+        )
         factory = lambda: make_backend(name, self.tokenizer, vocab, stops)  # noqa: E731
         self.grammars = None if name == "none" else GrammarCompiler(factory)
         self.compiling = PendingGrammars()  # requests whose grammar is being compiled
@@ -138,7 +142,9 @@ class Engine:
         if any(not 0 <= t < vocab for t in request.input_ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         if params.grammar is not None and self.grammars is None:
-            raise ValueError(f"{params.grammar[0]}: structured output is off (--grammar-backend none)")
+            raise ValueError(
+                f"{params.grammar[0]}: structured output is off (--grammar-backend none)"
+            )
         if len(request.input_ids) >= self.context_length:
             raise ValueError(
                 f"the prompt has {len(request.input_ids)} tokens; the context length is "

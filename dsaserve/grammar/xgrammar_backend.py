@@ -88,17 +88,21 @@ class XGrammarChecker(GrammarChecker):
             raise GrammarError(f"cannot compile the {kind}: {_first_line(e)}") from e
 
 
-_LOOSE_CHARS = r'[^\"\\\r\n]'  # as xgrammar prints it
+_LOOSE_CHARS = r"[^\"\\\r\n]"  # as xgrammar prints it
 # what JSON allows unescaped in a string, less UTF-16 surrogates (their UTF-8 bytes decode to
 # three U+FFFD each, which breaks maxLength)
-_JSON_CHARS = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
+_JSON_CHARS = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
 def json_schema_grammar(schema: str) -> xgr.Grammar:
     """The compact JSON grammar of a schema (with the string-class fix, see the module doc)."""
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
     text = str(grammar)
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS)) if _LOOSE_CHARS in text else grammar
+    return (
+        xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+        if _LOOSE_CHARS in text
+        else grammar
+    )
 
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[07:39:29] /project/cpp/x.cc:5082: "
