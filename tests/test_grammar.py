@@ -153,3 +153,25 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
     finally:
         release.set()
         engine.grammars = saved
+
+
+def test_llguidance_backend(server_checkpoint: Path):
+    from dsaserve.server.errors import APIError
+    from dsaserve.server.structured import StructuredOutput
+
+    llm = LLM(str(server_checkpoint), max_total_tokens=2048, page_size=16,
+              grammar_backend="llguidance")  # fmt: skip
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=4, n=4,
+                            json_schema=json.dumps(SCHEMA))  # fmt: skip
+    for sample in llm.generate(["Hello there"], params, use_tqdm=False)[0].samples:
+        assert sample.finish_reason["type"] == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), SCHEMA)
+    ebnf = 'root ::= ("yes" | "no") ", " [a-z]{2,5}'
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=1, n=3, ebnf=ebnf)
+    for sample in llm.generate(["Hi"], params, use_tqdm=False)[0].samples:
+        assert re.fullmatch("(yes|no), [a-z]{2,5}", sample.text), sample.text
+    checker = StructuredOutput("llguidance", {})
+    with pytest.raises(APIError, match="need --grammar-backend xgrammar"):
+        checker.check("tool_call_grammar", "{}", "tool_choice")
+    with pytest.raises(APIError, match="invalid regex"):
+        checker.check("regex", "(abc", "regex")
