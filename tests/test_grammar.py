@@ -175,3 +175,17 @@ def test_llguidance_backend(server_checkpoint: Path):
         checker.check("tool_call_grammar", "{}", "tool_choice")
     with pytest.raises(APIError, match="invalid regex"):
         checker.check("regex", "(abc", "regex")
+
+
+def test_a_compile_past_the_limit_fails_the_request(monkeypatch):
+    from concurrent.futures import Future
+
+    from dsaserve.grammar import compiler
+
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 0.0)
+    pending, item = compiler.PendingGrammars(), object()
+    pending.add(item, Future())  # never completes
+    pending.wait(0.01)
+    resolved = pending.resolve()
+    assert resolved.failed[0][0] is item and "took over" in resolved.failed[0][1]
+    assert not len(pending) and not resolved.ready

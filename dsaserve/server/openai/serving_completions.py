@@ -39,7 +39,7 @@ async def completions(state: ServerState, req: CompletionRequest, raw: Request) 
     base = req.rid or uuid.uuid4().hex
     requests, prompt_ids = [], []
     fields = req.model_dump()
-    fields.update(tm.structured.native_fields(fields))
+    fields.update(await tm.structured.native_fields_async(fields))
     for p, ids in enumerate(_prompts(state, req.prompt)):
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
@@ -136,7 +136,7 @@ async def generate(state: ServerState, req: GenerateRequestIn, raw: Request) -> 
     if not ids:
         raise bad_request("the prompt must not be empty", "text")
     fields = {NATIVE_RENAMES.get(k, k): v for k, v in req.sampling_params.items()}
-    fields.update(tm.structured.native_fields(fields, "sampling_params."))
+    fields.update(await tm.structured.native_fields_async(fields, "sampling_params."))
     if req.return_logprob:
         fields["logprobs"] = req.top_logprobs_num
     max_tokens = fields.pop("max_tokens", 128)
