@@ -13,6 +13,9 @@ Tok/s on a shared machine drifts, so each run also times its sampling (the sampl
 and applies the bitmasks, plus advancing the matchers): `added` is the grammar run's extra
 sampling time over the plain run's, as a share of the grammar run's wall time, a cost that
 does not depend on the neighbours.
+`--fill-vocab N` adds what the model size hides: the time to fill one step's bitmask for 32
+requests on a synthetic N-token vocabulary (GLM-5's is 154880), inside a bounded string
+(`maxLength`), inside a free string and inside a number, serially and with xgrammar's batch fill.
 JSON: `bench/results/structured.json`.
 """
 
@@ -69,6 +72,43 @@ def run(llm: LLM, concurrency: int, requests: int, params: SamplingParams, timer
             "sampling_seconds": timer.seconds}  # fmt: skip
 
 
+def fill_times(vocab_size: int, rows: int = 32) -> dict:
+    """ms to fill `rows` bitmask rows on a synthetic vocabulary, per grammar position."""
+    import random
+
+    import xgrammar as xgr
+
+    from dsaserve.grammar.xgrammar_backend import json_schema_grammar
+
+    rng = random.Random(0)
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.,:;\"'{}[]()"
+    words = {
+        "".join(rng.choice(chars) for _ in range(rng.randint(1, 8))) for _ in range(vocab_size * 2)
+    }
+    vocab = [chr(c) for c in range(32, 127)] + sorted(words)[: vocab_size - 95]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
+    compiler = xgr.GrammarCompiler(info, max_threads=2)
+    bitmask = xgr.allocate_token_bitmask(rows, len(vocab))
+    batch, out = xgr.BatchGrammarMatcher("auto"), {}
+    cases = {
+        "bounded string": ('{"type": "string", "maxLength": 16}', '"ab'),
+        "free string": ('{"type": "string"}', '"ab'),
+        "number": ('{"type": "integer"}', "1"),
+    }
+    for name, (schema, prefix) in cases.items():
+        compiled = compiler.compile_grammar(json_schema_grammar(schema))
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(rows)]
+        assert all(m.accept_string(prefix) for m in matchers)
+        start = time.perf_counter()
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(bitmask, row)
+        serial = time.perf_counter() - start
+        start = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        out[name] = {"serial_ms": serial * 1e3, "batch_ms": (time.perf_counter() - start) * 1e3}
+    return out
+
+
 def _with_cap(llm: LLM, concurrency: int):
     import dataclasses
 
@@ -84,6 +124,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per run (default: 2 × c, >= 4)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fill-vocab", type=int, default=0, help="also time bitmask fills (N tokens)")
     ap.add_argument("--json", default="bench/results/structured.json")
     args = ap.parse_args()
     if args.threads:
@@ -118,6 +159,11 @@ def main() -> None:
               f"{r['grammar']['tokens_per_s']:>16.1f}{r['grammar_cost'] * 100:>8.1f}%"
               f"{r['added_share'] * 100:>8.1f}%")  # fmt: skip
     record = {"args": vars(args), "vocab_size": vocab, "compile_s": compile_s, "rows": rows}
+    if args.fill_vocab:
+        record["fill_ms_32_rows"] = fills = fill_times(args.fill_vocab)
+        print(f"\nbitmask fill, 32 rows, vocabulary {args.fill_vocab}: serial ms / batch ms")
+        for name, t in fills.items():
+            print(f"{name:>16}{t['serial_ms']:>10.2f}{t['batch_ms']:>10.2f}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=2))
 

@@ -40,6 +40,12 @@ class Matcher(ABC):
     def is_terminated(self) -> bool:
         """True once the grammar is complete and a stop token has been accepted."""
 
+    def fill_rows(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
+        """Fill rows 0.. of `bitmask` for `matchers` (all of this one's type); backends with a
+        parallel batch fill override it."""
+        for row, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, row)
+
 
 class GrammarBackend(ABC):
     """Compiles grammars for one tokenizer and makes matchers from them."""

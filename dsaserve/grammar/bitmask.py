@@ -24,8 +24,12 @@ def apply_grammars(logits: torch.Tensor, states: list[Any], rows: list[int]) -> 
         return
     vocab = logits.shape[1]
     bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
-    for j, i in enumerate(rows):
-        states[i].grammar.matcher.fill_bitmask(bitmask, j)
+    matchers = [states[i].grammar.matcher for i in rows]
+    if all(type(m) is type(matchers[0]) for m in matchers):
+        matchers[0].fill_rows(matchers, bitmask)  # one backend: its batch fill (threads)
+    else:
+        for j, matcher in enumerate(matchers):
+            matcher.fill_bitmask(bitmask, j)
     allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)  # [R, V] bool
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
