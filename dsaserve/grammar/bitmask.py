@@ -26,7 +26,7 @@ def apply_grammars(logits: torch.Tensor, states: list[Any], rows: list[int]) -> 
     bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     matchers = [states[i].grammar.matcher for i in rows]
     if all(type(m) is type(matchers[0]) for m in matchers):
-        matchers[0].fill_rows(matchers, bitmask)  # one backend: its batch fill (threads)
+        matchers[0].fill_rows(matchers, bitmask)  # one backend: its (batch) fill
     else:
         for j, matcher in enumerate(matchers):
             matcher.fill_bitmask(bitmask, j)

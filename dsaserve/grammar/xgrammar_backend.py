@@ -21,13 +21,11 @@ from dsaserve.grammar.backend import GrammarBackend, GrammarChecker, GrammarErro
 from dsaserve.grammar.tool_calls import to_structural_tag
 
 COMPILE_THREADS = 2
-BATCH_FILL_MIN = 4  # rows from which the bitmask is filled by xgrammar's thread pool
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(self, compiled: xgr.CompiledGrammar, batch: xgr.BatchGrammarMatcher) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._batch = batch
 
     def accept(self, token_id: int) -> bool:
         return self._matcher.accept_token(token_id)
@@ -38,12 +36,6 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
-    def fill_rows(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
-        if len(matchers) < BATCH_FILL_MIN:
-            return super().fill_rows(matchers, bitmask)
-        inner = [m._matcher for m in matchers]  # type: ignore[attr-defined]
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask)
-
 
 class XGrammarBackend(GrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int]) -> None:
@@ -51,7 +43,6 @@ class XGrammarBackend(GrammarBackend):
             tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS)
-        self._batch = xgr.BatchGrammarMatcher("auto")  # half the cores
 
     def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         try:
@@ -70,7 +61,7 @@ class XGrammarBackend(GrammarBackend):
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> Matcher:
-        return XGrammarMatcher(compiled, self._batch)
+        return XGrammarMatcher(compiled)
 
     @staticmethod
     def checker() -> GrammarChecker:
