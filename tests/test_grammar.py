@@ -74,6 +74,31 @@ def test_sampler_masks_only_rows_with_an_active_grammar(backend, tokenizer):
     assert int(logits[0].argmax()) not in digits  # (so the mask did change row 0)
 
 
+def test_a_bitmask_filled_ahead_is_the_one_applied(backend, tokenizer, llm: LLM):
+    from dsaserve.grammar.bitmask import Filled, fill_bitmask
+
+    vocab = len(tokenizer)
+    state = SamplingState(SamplingParams(temperature=0).with_defaults({}), [1], vocab, EOS)
+    state.grammar = GrammarState(backend.matcher(backend.compile("regex", "[0-9]{3}")))
+    filled = fill_bitmask([state], vocab)
+    seven = tokenizer.convert_tokens_to_ids("7")
+    only_seven = torch.zeros_like(filled.bitmask)
+    only_seven[0, seven // 32] = 1 << (seven % 32)
+    logits = torch.randn(1, vocab)
+    assert Sampler()(logits, [state], Filled([0], only_seven)).token_ids == [seven]
+    assert Sampler()(logits, [state], filled).token_ids == Sampler()(logits, [state]).token_ids
+    engine = llm.engine  # the plain step fills ahead for the rows it will sample
+    assert engine._fill_ahead(_one_batch(engine, state)).result().rows == [0]
+
+
+def _one_batch(engine, state):
+    from dsaserve.engine.request import Req
+    from dsaserve.engine.scheduler import ScheduledBatch
+
+    req = Req("ahead", [1, 2], state.params, state, None)
+    return ScheduledBatch([req], [0], [2])
+
+
 def test_grammar_waits_for_the_trigger_token(backend):
     state = GrammarState(backend.matcher(backend.compile("regex", "ab")), after_token_id=11)
     assert not state.active

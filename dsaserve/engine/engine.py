@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
 from dsaserve.grammar.backend import make_backend
+from dsaserve.grammar.bitmask import fill_bitmask
 from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
 from dsaserve.grammar.state import GrammarState
 from dsaserve.layers.sampler import Sampler, SamplingState
@@ -113,6 +115,7 @@ class Engine:
         factory = lambda: make_backend(name, self.tokenizer, vocab, stops)  # noqa: E731
         self.grammars = None if name == "none" else GrammarCompiler(factory)
         self.compiling = PendingGrammars()  # requests whose grammar is being compiled
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -196,14 +199,24 @@ class Engine:
         return refused
 
     def _step_plain(self, scheduled: ScheduledBatch) -> None:
+        ahead = self._fill_ahead(scheduled)
         sampled, logits = self.runner.forward(scheduled)
         for req, end in zip(scheduled.reqs, scheduled.ends):
             req.kv_len = end
         reqs = [scheduled.reqs[i] for i in sampled]
         if reqs:
-            result = self.sampler(logits, [r.sampling for r in reqs])
+            filled = ahead.result() if ahead is not None else None
+            result = self.sampler(logits, [r.sampling for r in reqs], filled)
             for req, token, lp in zip(reqs, result.token_ids, result.logprobs):
                 self._append(req, token, lp)
+
+    def _fill_ahead(self, scheduled: ScheduledBatch) -> Future | None:
+        """Fill the grammar bitmask of the rows this step samples while the model runs."""
+        states = [r.sampling for r, end in zip(scheduled.reqs, scheduled.ends)
+                  if end == len(r.fill_ids)]  # fmt: skip
+        if not any(s.grammar is not None and s.grammar.active for s in states):
+            return None
+        return self._mask_pool.submit(fill_bitmask, states, self.model_config.vocab_size)
 
     def _count_prompt(self, scheduled: ScheduledBatch) -> None:
         for req, start in zip(scheduled.reqs, scheduled.starts):

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from dsaserve.engine.io import TokenLogprob
-from dsaserve.grammar.bitmask import apply_grammars, constrained_rows
+from dsaserve.grammar.bitmask import Filled, apply_grammars, constrained_rows
 from dsaserve.grammar.state import GrammarState
 from dsaserve.sampling_params import SamplingParams
 
@@ -110,7 +110,10 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)  # CPU: one scalar per row
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState], filled: Filled | None = None
+    ) -> SampleResult:
+        """`filled`: the grammar bitmask of these states, filled ahead (see grammar.bitmask)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         if not states:
@@ -121,13 +124,17 @@ class Sampler:
             token_ids = logits.argmax(dim=-1).tolist()
         else:
             work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            token_ids = self._sample(work, states, constrained)
+            token_ids = self._sample(work, states, constrained, filled)
         return SampleResult(token_ids, _logprobs(logits, token_ids, states))
 
     def _sample(
-        self, logits: torch.Tensor, states: list[SamplingState], constrained: list[int]
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        constrained: list[int],
+        filled: Filled | None = None,
     ) -> list[int]:
-        apply_grammars(logits, states, constrained)
+        apply_grammars(logits, states, constrained, filled)
         _apply_penalties(logits, states)
         _mask_min_tokens(logits, states)
         token_ids = logits.argmax(dim=-1)
