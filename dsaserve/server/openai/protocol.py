@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from dsaserve.server.fields import (
     MAX_LIST_PROMPTS,
@@ -20,12 +20,14 @@ from dsaserve.server.fields import (
     MAX_TOOLS,
     Bool,
     Count,
+    GrammarText,
     Int64,
     N,
     Name,
     Penalty,
     RepetitionPenalty,
     Rid,
+    Schema,
     Stop,
     StopTokenIds,
     Strict,
@@ -97,8 +99,19 @@ class StreamOptions(Strict):
     continuous_usage_stats: Bool = False
 
 
+class JsonSchemaFormat(Strict):
+    """`response_format.json_schema`: the schema is enforced by a grammar whatever `strict` says."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: Name | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | Bool | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(Strict):
@@ -125,6 +138,10 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: Rid | None = None
+    # SGLang's structured-output extras (dsaserve.server.structured)
+    json_schema: Schema | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -180,6 +197,9 @@ class NativeSamplingParams(Strict):
     n: N = 1
     seed: Int64 | None = None
     sampling_seed: Int64 | None = None
+    json_schema: Schema | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
     def engine_fields(self) -> dict:
         """The values under `SamplingParams` names (max_tokens, min_tokens, seed)."""
