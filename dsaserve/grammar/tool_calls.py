@@ -12,12 +12,18 @@ GLM-4.7/5 (`glm47`): `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value
 with the declared properties in order (required ones always, optional ones maybe), no
 whitespace between markup, a string value raw (its enum, const, pattern or length as a regex)
 and any other value compact JSON under its schema: exactly what the `glm47` parser types back,
-so the parsed arguments validate against the tool's schema. The grammar is an xgrammar
-structural tag (`to_structural_tag`).
+so the parsed arguments validate against the tool's schema.
 
-Seam: another format is one more builder in FORMATS (xgrammar ships DeepSeek-V3.2's DSML as its
-`deepseek_xml` JSON style; add it next to the `deepseekv32` parser once its output is checked
-against that parser).
+DeepSeek-V3.2 (`deepseekv32`): the DSML section as the encoder renders it
+(`dsaserve.server.templates.deepseek_v32`) and the `deepseekv32` parser reads it:
+`\n\n<｜DSML｜function_calls>\n`, per call `<｜DSML｜invoke name="NAME">\n`, per property
+`<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>\n` (declared order, required
+ones always; `string="true"` and a raw value for a plain string schema, as for GLM, otherwise
+`string="false"` and compact JSON), `</｜DSML｜invoke>\n`, and `</｜DSML｜function_calls>`. Under
+"auto" the section opens on its own tag (the text before it stays free).
+
+Each grammar is an xgrammar structural tag (`to_structural_tag`); another format is one more
+builder in FORMATS: (tools, mode, one call only) -> the structural tag's format.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ from dsaserve.server.parsers.tool_schema import allowed_types, is_plain_string
 
 JSON_WHITESPACE = 1  # at most one whitespace character in a row inside JSON argument values
 FREE_ARGS = r"(<arg_key>[^<]{1,64}</arg_key><arg_value>[^<]*</arg_value>)*"  # non-strict tools
+DSML = "｜DSML｜"
+DSML_OPEN = f"<{DSML}function_calls>"
+DSML_FREE_ARGS = (f'(<{DSML}parameter name="[^"<]{{1,64}}" string="(true|false)">[^<]*'
+                  f"</{DSML}parameter>\n)*")  # fmt: skip
 _REGEX_SPECIAL = set("\\^$.|?*+()[]{}/-")
 
 
@@ -55,19 +65,22 @@ def tool_call_grammar(parser: str, tools: list[dict], tool_choice: Any, parallel
 def to_structural_tag(source: str) -> dict:
     """The xgrammar structural tag (as JSON) of a `tool_call_grammar` source."""
     spec = _parse(source)
-    tags = [FORMATS[spec["format"]](tool) for tool in spec["tools"]]
-    if not tags:
+    if not spec["tools"]:
         raise GrammarError("tool_call_grammar has no tools")
     one = not spec.get("parallel", True)
-    if spec["mode"] == "named":
-        fmt = tags[0]
-    elif spec["mode"] == "required":
-        fmt = {"type": "tags_with_separator", "tags": tags, "separator": "",
-               "at_least_one": True, "stop_after_first": one}  # fmt: skip
-    else:
-        fmt = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
-               "stop_after_first": one}  # fmt: skip
-    return {"type": "structural_tag", "format": fmt}
+    return {"type": "structural_tag",
+            "format": FORMATS[spec["format"]](spec["tools"], spec["mode"], one)}  # fmt: skip
+
+
+def glm47_format(tools: list[dict], mode: str, one: bool) -> dict:
+    tags = [glm47_call(tool) for tool in tools]
+    if mode == "named":
+        return tags[0]
+    if mode == "required":
+        return {"type": "tags_with_separator", "tags": tags, "separator": "",
+                "at_least_one": True, "stop_after_first": one}  # fmt: skip
+    return {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+            "stop_after_first": one}  # fmt: skip
 
 
 def glm47_call(tool: dict) -> dict:
@@ -91,8 +104,51 @@ def _glm47_args(parameters: dict) -> dict:
 def _glm47_value(schema: Any) -> dict:
     if is_plain_string(allowed_types(schema)):
         return _regex(raw_string_regex(schema))
+    return _json_value(schema)
+
+
+def _json_value(schema: Any) -> dict:
+    """A non-string argument value: compact JSON under its schema."""
     return {"type": "json_schema", "json_schema": schema if schema is not None else True,
             "style": "json", "max_whitespace_cnt": JSON_WHITESPACE}  # fmt: skip
+
+
+def dsml_format(tools: list[dict], mode: str, one: bool) -> dict:
+    if mode == "named":
+        calls = dsml_call(tools[0])
+    else:
+        calls = {"type": "tags_with_separator", "tags": [dsml_call(t) for t in tools],
+                 "separator": "", "at_least_one": True, "stop_after_first": one}  # fmt: skip
+    if mode in ("named", "required"):  # the whole answer is the section
+        return {"type": "sequence", "elements": [
+            _const(f"\n\n{DSML_OPEN}\n"), calls, _const(f"</{DSML}function_calls>")]}  # fmt: skip
+    section = {"type": "tag", "begin": f"{DSML_OPEN}\n", "content": calls,
+               "end": f"</{DSML}function_calls>"}  # fmt: skip
+    return {"type": "triggered_tags", "triggers": [DSML_OPEN], "tags": [section],
+            "stop_after_first": one}  # fmt: skip
+
+
+def dsml_call(tool: dict) -> dict:
+    params = _dsml_params(tool["parameters"]) if tool["strict"] else _regex(DSML_FREE_ARGS)
+    return {"type": "tag", "begin": f'<{DSML}invoke name="{tool["name"]}">\n',
+            "content": params, "end": f"</{DSML}invoke>\n"}  # fmt: skip
+
+
+def _dsml_params(parameters: dict) -> dict:
+    properties = parameters.get("properties") or {}
+    if not properties:
+        return _const("\n")  # the encoder's empty parameter list
+    required = set(parameters.get("required") or [])
+    parts = []
+    for key, schema in properties.items():
+        raw = is_plain_string(allowed_types(schema))
+        value = _regex(raw_string_regex(schema)) if raw else _json_value(schema)
+        flag = "true" if raw else "false"
+        part = {"type": "sequence", "elements": [
+            _const(f'<{DSML}parameter name="{key}" string="{flag}">'), value,
+            _const(f"</{DSML}parameter>\n")]}  # fmt: skip
+        parts.append(part if key in required else {"type": "optional", "content": part})
+    return {"type": "sequence", "elements": parts}
 
 
 def raw_string_regex(schema: dict) -> str:
@@ -129,5 +185,8 @@ def _parse(source: str) -> dict:
     return spec
 
 
-# dsaserve tool-call parser name -> builder of one tool's call tag
-FORMATS: dict[str, Callable[[dict], dict]] = {"glm47": glm47_call}
+# dsaserve tool-call parser name -> builder of the structural tag's format
+FORMATS: dict[str, Callable[[list[dict], str, bool], dict]] = {
+    "glm47": glm47_format,
+    "deepseekv32": dsml_format,
+}
