@@ -2,7 +2,7 @@
 
 Every known field is typed and bounded (see `fields.py`); unknown top-level fields are ignored, so
 a router may add its own. Wrong types, bad values and unknown roles fail validation and come back
-as 400 naming the field. Internal sampling fields (`force_token_ids`, ...) are not fields of any
+as 400 naming the field. Internal sampling fields (`tool_call_grammar`, ...) are not fields of any
 model, so a client cannot set them: they are ignored like any other unknown field. Adding a field
 is one line in the model of its route.
 """
