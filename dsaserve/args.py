@@ -54,7 +54,8 @@ class ServerArgs:
     tool_call_parser: str | None = "auto"
     default_chat_template_kwargs: str | None = None
     enable_metrics: bool = False
-    enable_cache_report: bool = False
+    enable_cache_report: bool = True  # on by default; --disable-cache-report turns it off
+    grammar_backend: str = "xgrammar"
     keep_anthropic_billing_header: bool = False
     max_queued_requests: int | None = None
     watchdog_timeout: float = 300.0
@@ -297,7 +298,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
     f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
     f("--enable-metrics", **on)
-    f("--enable-cache-report", **on)
+    f("--enable-cache-report", action="store_true", default=True, help="the default (kept "
+      "for SGLang command lines)")  # fmt: skip
+    parser.add_argument(
+        "--disable-cache-report",
+        dest="enable_cache_report",
+        action="store_false",
+        help="omit cached-token counts from usage",
+    )
+    f("--grammar-backend", choices=["xgrammar", "llguidance", "none"])
     f(
         "--keep-anthropic-billing-header",
         **on,

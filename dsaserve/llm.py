@@ -102,6 +102,8 @@ class LLM:
         with tqdm(total=len(slots), desc="Generating", unit="req", disable=not show) as bar:
             while self.engine.has_work():
                 for out in self.engine.step():
+                    if out.error is not None:
+                        raise ValueError(out.error)
                     tokens += len(out.token_ids)
                     self._absorb(outputs, slots[out.rid], out)
                     if out.finished:

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # What each field may hold (the engine gets these as a plain dict over IPC and trusts no caller).
-_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n", "force_after_token_id")
+_INTS = ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n", "grammar_after_token_id")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
            "presence_penalty")  # fmt: skip
 _BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim")
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "tool_call_grammar")  # text, or None
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
-             "force_after_token_id")  # fmt: skip
-_INT_LISTS = ("stop_token_ids", "force_token_ids")
+             "grammar_after_token_id", *GRAMMAR_FIELDS)  # fmt: skip
+_INT_LISTS = ("stop_token_ids",)
 
 
 @dataclass
@@ -23,9 +24,13 @@ class SamplingParams:
 
     `logprobs`: None for no log-probabilities, else the number of top alternatives per token
     (0 returns only the chosen token's). `n` > 1 is expanded by the front ends into n requests
-    (choice i uses seed + i when a seed is given). `force_token_ids` are emitted verbatim once
-    `force_after_token_id` has been generated (from the first token when it is None): the server
-    uses it to make `tool_choice` "required" or named open a tool call right after `</think>`.
+    (choice i uses seed + i when a seed is given).
+
+    Structured output (SGLang's names; at most one of them): `json_schema` (JSON text), `regex`,
+    `ebnf`, or `tool_call_grammar` (JSON text: the tools and tool_choice the server turns into a
+    grammar of the model's own tool-call format, see `dsaserve.grammar.tool_calls`). The grammar
+    constrains the output from the first token, or, when `grammar_after_token_id` is set (the
+    server sets `</think>` when the prompt opens reasoning), from the token after that one.
     """
 
     max_tokens: int | None = 16
@@ -45,8 +50,11 @@ class SamplingParams:
     n: int = 1
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    force_token_ids: list[int] = field(default_factory=list)
-    force_after_token_id: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    tool_call_grammar: str | None = None
+    grammar_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,9 +80,12 @@ class SamplingParams:
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"{grammars[1]} cannot be combined with {grammars[0]}: give one")
 
     def _check_types(self) -> None:
-        for name in (*_INTS, *_FLOATS, *_BOOLS, "stop", *_INT_LISTS):
+        for name in (*_INTS, *_FLOATS, *_BOOLS, "stop", *_INT_LISTS, *GRAMMAR_FIELDS):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
                 continue
@@ -90,6 +101,15 @@ class SamplingParams:
         out.top_p = 1.0 if out.top_p is None else out.top_p
         out.top_k = -1 if out.top_k is None or out.top_k == 0 else out.top_k
         return out
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, source) of the structured-output grammar, or None."""
+        for name in GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -109,4 +129,6 @@ def _type_ok(name: str, value: Any) -> bool:
         return isinstance(value, bool)
     if name == "stop":
         return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    if name in GRAMMAR_FIELDS:
+        return isinstance(value, str)
     return isinstance(value, list | tuple) and all(_is_int(v) for v in value)

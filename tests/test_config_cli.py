@@ -88,6 +88,16 @@ def test_server_args_refuse_bad_values():
     assert (args.tp_size, args.mem_fraction_static, args.model_path) == (8, 0.8, "x")
 
 
+def test_cache_report_on_by_default_and_grammar_backend_flags():
+    assert ServerArgs.from_cli([]).enable_cache_report  # on unless turned off
+    assert ServerArgs.from_cli(["--enable-cache-report"]).enable_cache_report  # still accepted
+    assert not ServerArgs.from_cli(["--disable-cache-report"]).enable_cache_report
+    assert ServerArgs.from_cli([]).grammar_backend == "xgrammar"
+    assert ServerArgs.from_cli(["--grammar-backend", "none"]).grammar_backend == "none"
+    with pytest.raises(SystemExit):
+        ServerArgs.from_cli(["--grammar-backend", "outlines"])
+
+
 def test_cli_version_and_help():
     run = lambda *a: subprocess.run([sys.executable, "-m", "dsaserve.cli", *a],  # noqa: E731
                                     capture_output=True, text=True, timeout=60)  # fmt: skip

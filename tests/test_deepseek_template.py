@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 prompts: byte-equal to the checkpoint's own encoder on its published golden
 vector and on a table of conversations derived from it and from the encoder's published rules;
-plus how the server picks the encoder, resolves the parsers, and forces `tool_choice`."""
+plus how the server picks the encoder, resolves the parsers, and constrains
+`tool_choice` by the DSML grammar."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ import json
 import shutil
 from pathlib import Path
 
+import jsonschema
 import pytest
 from deepseek_checkpoint import build_deepseek_tokenizer
 from transformers import AutoTokenizer
 
 from dsaserve.args import ServerArgs
+from dsaserve.grammar.backend import make_backend
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai.protocol import ChatCompletionRequest
+from dsaserve.server.parsers.events import ToolCallArgs, ToolCallStart
+from dsaserve.server.parsers.tool_dsml import DsmlToolParser
 from dsaserve.server.templates import deepseek_v32
 from dsaserve.server.tokenizer_manager import TokenizerManager, normalize_messages
 
@@ -171,17 +176,86 @@ def test_encoder_and_parsers_are_chosen_from_the_checkpoint(folder: Path, tmp_pa
     assert render(tm, user) == "Jhi"
 
 
-def test_tool_choice_required_and_named_force_a_dsml_call(folder: Path):
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["location"], "properties": {
+        "location": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
+        "units": {"enum": ["c", "f"]}, "hourly": {"type": "boolean"}}}}}  # fmt: skip
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+
+
+def grammar_fields(tm: TokenizerManager, choice, prompt: str, tools: list[dict]) -> dict:
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                tool_choice=choice)  # fmt: skip
+    return tm.structured.chat_fields(req, tools, choice, tm.tool_parser, prompt)
+
+
+def accepts(tm: TokenizerManager, fields: dict, text: str) -> bool:
+    """Whether the request's grammar, on the real tokenizer, takes `text` and then the stop."""
+    eos = tm.tokenizer.convert_tokens_to_ids(EOS)
+    backend = make_backend("xgrammar", tm.tokenizer, len(tm.tokenizer), [eos])
+    matcher = backend.matcher(backend.compile("tool_call_grammar", fields["tool_call_grammar"]))
+    ids = tm.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(t) for t in ids) and matcher.accept(eos) and matcher.is_terminated()
+
+
+def section(*calls: tuple[str, dict]) -> str:
+    """The DSML section as the checkpoint's encoder renders these calls in history."""
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for n, a in calls]}  # fmt: skip
+    text = deepseek_v32.encode_messages([message], thinking=False, context=[{"role": "user"}])
+    return text.removesuffix(EOS)
+
+
+def parsed(text: str, tools: list[dict]) -> list[tuple[str, dict]]:
+    parser = DsmlToolParser(tools)
+    events = parser.feed(text) + parser.finish()
+    starts = [e.name for e in events if isinstance(e, ToolCallStart)]
+    args: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, ToolCallArgs):
+            args[e.index] = args.get(e.index, "") + e.fragment
+    return [(name, json.loads(args.get(i, "{}"))) for i, name in enumerate(starts)]
+
+
+def test_tool_choice_required_and_named_are_a_dsml_grammar(folder: Path):
+    """tool_choice required / named is the DSML grammar: it takes exactly the calls the encoder
+    renders and the parser reads back valid, refuses other tools and values off the schema."""
     tm = manager(folder)
-    decode = tm.tokenizer.decode
-    thinking = render(tm, [{"role": "user", "content": "hi"}], [TOOL], thinking=True)
-    assert tm.tool_call_forcing("auto", thinking) == {}
-    assert tm.tool_call_forcing("none", thinking) == {}
-    required = tm.tool_call_forcing("required", thinking)
-    assert decode(required["force_token_ids"]) == f'\n\n<{D}function_calls>\n<{D}invoke name="'
-    assert required["force_after_token_id"] == tm.tokenizer.convert_tokens_to_ids("</think>")
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    chat = render(tm, [{"role": "user", "content": "hi"}], [TOOL])
-    forced = tm.tool_call_forcing(named, chat)
-    assert forced["force_after_token_id"] is None  # thinking off: the call opens at once
-    assert decode(forced["force_token_ids"]).endswith(f'<{D}invoke name="get_weather">\n')
+    tools = [WEATHER, NOW]
+    thinking = render(tm, [{"role": "user", "content": "hi"}], tools, thinking=True)
+    chat = render(tm, [{"role": "user", "content": "hi"}], tools)
+    assert grammar_fields(tm, "auto", thinking, tools) == {}  # no strict tool: free
+    assert grammar_fields(tm, "none", thinking, tools) == {}
+    required = grammar_fields(tm, "required", thinking, tools)
+    assert required["grammar_after_token_id"] == tm.tokenizer.convert_tokens_to_ids("</think>")
+    named = grammar_fields(tm, {"type": "function", "function": {"name": "get_weather"}},
+                           chat, tools)  # fmt: skip
+    assert named["grammar_after_token_id"] is None  # thinking off: the call opens at once
+    good = ("get_weather", {"location": "Oslo", "days": 3, "units": "c", "hourly": False})
+    for fields in (required, named):
+        for call in (good, ("get_weather", {"location": "São Paulo, SP"})):
+            text = section(call)
+            assert accepts(tm, fields, text), text
+            assert parsed(text, tools) == [call]
+            jsonschema.validate(call[1], WEATHER["function"]["parameters"])
+        off_schema = [("get_weather", {"days": 3}), ("get_weather", {"location": "x", "days": 0}),
+                      ("get_weather", {"location": "x", "units": "k"}),
+                      ("get_weather", {"location": "x", "days": "3"})]  # fmt: skip
+        for call in off_schema:
+            assert not accepts(tm, fields, section(call)), call
+        assert not accepts(tm, fields, "Sure." + section(good))  # only the call
+    assert accepts(tm, required, section(good, ("now", {})))  # back to back, any declared tool
+    assert not accepts(tm, named, section(("now", {})))
+    assert not accepts(tm, named, section(good, good))  # exactly one call
+
+
+def test_strict_dsml_tools_leave_text_free_and_constrain_the_call(folder: Path):
+    tm = manager(folder)
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    fields = grammar_fields(tm, "auto", render(tm, [{"role": "user", "content": "hi"}]),
+                            [strict, NOW])  # fmt: skip
+    assert accepts(tm, fields, "Just text.")
+    assert accepts(tm, fields, "Let me check." + section(("get_weather", {"location": "Rome"})))
+    assert not accepts(tm, fields, "x" + section(("get_weather", {"location": 5})))
+    assert accepts(tm, fields, "x" + section(("now", {"any": "thing"})))  # not strict: free

@@ -25,8 +25,9 @@ GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 BAD_SAMPLING = [
     {"stop": 5}, {"stop": [1]}, {"stop_token_ids": 5}, {"stop_token_ids": "x"},
     {"stop_token_ids": [10**6]}, {"top_k": 1.5}, {"seed": 1.5}, {"seed": 2**70},
-    {"logprobs": True}, {"skip_special_tokens": "x"}, {"force_token_ids": [999999]},
-    {"force_token_ids": [-3]}, {"force_token_ids": 5}, {"temperature": float("inf")},
+    {"logprobs": True}, {"skip_special_tokens": "x"}, {"grammar_after_token_id": 999999},
+    {"grammar_after_token_id": -3}, {"grammar_after_token_id": "x"}, {"regex": 5},
+    {"json_schema": {"type": "object"}}, {"temperature": float("inf")},
     {"no_such_field": 1},
 ]  # fmt: skip
 

@@ -284,23 +284,3 @@ def test_cuda_sampling_matches_cpu_greedy_and_is_batch_independent():
     batch[5] = seeded
     alone = Sampler()(logits[5:6].cuda(), [seeded]).token_ids[0]
     assert Sampler(seed=3)(logits.cuda(), batch).token_ids[5] == alone
-
-
-def test_forced_tokens_follow_the_trigger():
-    from dsaserve.layers.sampler import Sampler, SamplingState
-    from dsaserve.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, force_token_ids=[7, 8], force_after_token_id=3)
-    state = SamplingState(params.with_defaults({}), [1], vocab_size=10, eos_token_ids=[0])
-    sampler, out = Sampler(), []
-    logits = torch.zeros(1, 10)
-    for favourite in (3, 5, 5, 5):  # the model wants 3, then 5 forever
-        logits.zero_()
-        logits[0, favourite] = 5.0
-        token = sampler(logits, [state]).token_ids[0]
-        state.append(token)
-        out.append(token)
-    assert out == [3, 7, 8, 5]
-    from_start = SamplingState(SamplingParams(temperature=0, force_token_ids=[9]).with_defaults({}),
-                               [1], vocab_size=10, eos_token_ids=[0])  # fmt: skip
-    assert sampler(logits, [from_start]).token_ids == [9]

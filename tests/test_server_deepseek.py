@@ -1,7 +1,8 @@
 """DeepSeek-V3.2 served end to end: a tiny random DeepseekV32ForCausalLM with DeepSeek's tokens
 and no chat template, behind a real `dsaserve serve` (real engine plus scripted outputs), driven
 with the official `openai` and `anthropic` SDKs: thinking on and off, DSML tool calls with typed
-arguments, streaming identical to non-streaming, `tool_choice` none / named."""
+arguments, streaming identical to non-streaming, `tool_choice` none, and `tool_choice`
+named / required constrained by the DSML grammar on the real model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from deepseek_checkpoint import make_deepseek_server_checkpoint
@@ -125,15 +127,30 @@ def test_malformed_call_and_tool_choice_none(client: openai.OpenAI):
     assert none["content"] == "Let me check."  # no DSML markup leaks (sglang#35736)
 
 
-def test_named_tool_choice_forces_a_dsml_call_on_the_real_model(client: openai.OpenAI):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    out = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
-        tool_choice=named, max_tokens=24, temperature=0,
-    )  # fmt: skip
-    calls = out.choices[0].message.tool_calls
-    assert calls and calls[0].function.name == "get_weather"
-    assert isinstance(json.loads(calls[0].function.arguments), dict)
+BOUNDED = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "required": ["location"], "properties": {
+        "location": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9}}}}}
+    for name in ("get_weather", "get_rain")]  # fmt: skip
+
+
+def test_tool_choice_named_and_required_constrain_the_real_model(client: openai.OpenAI):
+    """The DSML grammar makes the random model write a complete call that validates."""
+    schema = BOUNDED[0]["function"]["parameters"]
+    named = {"type": "function", "function": {"name": "get_rain"}}
+    for choice, thinking in ((named, {}), ("required", THINKING)):
+        out = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Weather?"}], tools=BOUNDED,
+            tool_choice=choice, max_tokens=300, temperature=1.0, seed=7, n=3,
+            parallel_tool_calls=False, extra_body=thinking,
+        )  # fmt: skip
+        for c in out.choices:
+            calls = c.message.tool_calls
+            if thinking and c.finish_reason == "length" and not calls:
+                continue  # still thinking at the limit: the grammar starts after </think>
+            assert c.finish_reason == "tool_calls" and len(calls) == 1, c
+            assert choice == "required" or calls[0].function.name == "get_rain"
+            jsonschema.validate(json.loads(calls[0].function.arguments), schema)
 
 
 def test_anthropic_thinking_tool_use_and_stream(claude: anthropic.Anthropic):
@@ -153,9 +170,12 @@ def test_anthropic_thinking_tool_use_and_stream(claude: anthropic.Anthropic):
                                  thinking={"type": "disabled"})  # fmt: skip
     assert [b.type for b in off.content] == ["text"]
     assert off.content[0].text == "Reasoning here.</think>The answer is 42."
+    bounded = {"name": "get_weather", "input_schema": BOUNDED[0]["function"]["parameters"]}
     forced = claude.messages.create(
-        model="m", max_tokens=24, tools=[tool],
+        model="m", max_tokens=300, tools=[bounded],
         tool_choice={"type": "tool", "name": "get_weather"},
         messages=[{"role": "user", "content": "Weather?"}],
     )  # fmt: skip
     assert forced.content[-1].type == "tool_use" and forced.content[-1].name == "get_weather"
+    assert forced.stop_reason == "tool_use"
+    jsonschema.validate(forced.content[-1].input, bounded["input_schema"])

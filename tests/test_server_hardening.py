@@ -67,6 +67,13 @@ KILLERS = [
     ({"force_token_ids": [-3]}, 200, None),
     ({"force_token_ids": 5}, 200, None),
     ({"force_after_token_id": "x"}, 200, None),
+    ({"grammar_after_token_id": 10**7}, 200, None),  # internal: not settable, ignored
+    ({"tool_call_grammar": "{"}, 200, None),
+    ({"regex": 5}, 400, "sampling_params.regex"),
+    ({"regex": ""}, 400, "sampling_params.regex"),
+    ({"regex": "("}, 400, "sampling_params.regex"),  # does not compile: named before the engine
+    ({"json_schema": "{"}, 400, "sampling_params.json_schema"),
+    ({"ebnf": ["root ::= x"]}, 400, "sampling_params.ebnf"),
 ]
 
 
@@ -85,12 +92,16 @@ def test_sampling_params_cannot_kill_the_engine(
 
 
 def test_internal_fields_are_ignored(main_server: Server):
-    """`force_token_ids` from outside does not steer generation (greedy output unchanged)."""
+    """Internal fields from outside (`force_token_ids`, `tool_call_grammar`, ...) do not steer
+    generation (greedy output unchanged)."""
     base = {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
     plain = post(main_server, "/generate", base).json()["output_ids"]
-    forced_params = {**base["sampling_params"], "force_token_ids": [7, 7, 7, 7]}
-    forced = post(main_server, "/generate", {**base, "sampling_params": forced_params}).json()
-    assert forced["output_ids"] == plain
+    grammar = '{"format": "glm47", "tools": [], "mode": "required", "parallel": true}'
+    for internal in ({"force_token_ids": [7, 7, 7, 7]}, {"tool_call_grammar": grammar},
+                     {"grammar_after_token_id": 0}):  # fmt: skip
+        params = {**base["sampling_params"], **internal}
+        forced = post(main_server, "/generate", {**base, "sampling_params": params}).json()
+        assert forced["output_ids"] == plain, internal
 
 
 # ---- 2. unbounded work ------------------------------------------------------------------------
@@ -301,6 +312,7 @@ def test_openapi_describes_every_request_body(main_server: Server):
     assert "messages" in chat["required"] and "n" in chat["properties"]
     generate = schema["components"]["schemas"]["NativeSamplingParams"]["properties"]
     assert "max_new_tokens" in generate and "force_token_ids" not in generate
+    assert "regex" in generate and "tool_call_grammar" not in generate
 
 
 def test_idle_after_everything(main_server: Server):

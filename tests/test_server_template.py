@@ -3,6 +3,7 @@ plus start-up flag checks of `dsaserve serve`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -94,16 +95,26 @@ def test_start_up_flag_errors(folder: Path, capsys: pytest.CaptureFixture):
     assert "--tp-size must be >= 1" in capsys.readouterr().err
 
 
-def test_tool_choice_required_and_named_force_a_native_tool_call(folder: Path):
+def test_tool_choice_required_and_named_become_a_tool_call_grammar(folder: Path):
     tm = manager(folder, tool_call_parser="glm47")
     vocab = tm.tokenizer.get_vocab()
     thinking = render(tm, [{"role": "user", "content": "hi"}], [TOOL])
-    assert tm.tool_call_forcing("auto", thinking) == {}
-    assert tm.tool_call_forcing("none", thinking) == {}
-    required = tm.tool_call_forcing("required", thinking)
-    assert required == {"force_token_ids": [vocab["<tool_call>"]],
-                        "force_after_token_id": vocab["</think>"]}  # fmt: skip
-    named = tm.tool_call_forcing({"type": "function", "function": {"name": "get_weather"}},
-                                 thinking.removesuffix("<think>") + "</think>")  # fmt: skip
-    assert named["force_after_token_id"] is None  # thinking off: the call opens at once
-    assert tm.tokenizer.decode(named["force_token_ids"]) == "<tool_call>get_weather"
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    fields = lambda choice, prompt: tm.structured.chat_fields(
+        request, [TOOL], choice, "glm47", prompt
+    )  # noqa: E731
+    assert fields("auto", thinking) == {}  # not strict: no grammar
+    assert fields("none", thinking) == {}
+    required = fields("required", thinking)
+    assert required["grammar_after_token_id"] == vocab["</think>"]  # the answer after thinking
+    assert json.loads(required["tool_call_grammar"])["mode"] == "required"
+    named = fields({"type": "function", "function": {"name": "f"}},
+                   thinking.removesuffix("<think>") + "</think>")  # fmt: skip
+    assert named["grammar_after_token_id"] is None  # thinking off: constrained from the start
+    assert json.loads(named["tool_call_grammar"])["tools"][0]["name"] == "f"
+    strict = dict(TOOL, function=dict(TOOL["function"], strict=True))
+    auto = tm.structured.chat_fields(request, [strict], "auto", "glm47", thinking)
+    assert json.loads(auto["tool_call_grammar"])["mode"] == "auto"
+    none = manager(folder, tool_call_parser="glm47", grammar_backend="none").structured
+    with pytest.raises(APIError, match="grammar-backend none"):
+        none.chat_fields(request, [TOOL], "required", "glm47", thinking)

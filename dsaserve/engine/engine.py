@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.grammar.backend import make_backend
+from dsaserve.grammar.bitmask import fill_bitmask
+from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
+from dsaserve.grammar.state import GrammarState
 from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
@@ -73,6 +78,7 @@ class Engine:
         self.eos_token_ids = list(self.generation_defaults.get("eos_token_id", []))
         self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
         self.sampler = Sampler(seed=args.random_seed)
+        self._init_grammar()
         self.reqs: dict[str, Req] = {}
         # disaggregation's hook: called on each finished request before its KV is released
         self.before_release: Callable[[Req], None] | None = None
@@ -177,6 +183,17 @@ class Engine:
 
         return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
 
+    def _init_grammar(self) -> None:
+        name, vocab, stops = (
+            self.args.grammar_backend,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+        )
+        factory = lambda: make_backend(name, self.tokenizer, vocab, stops)  # noqa: E731
+        self.grammars = None if name == "none" else GrammarCompiler(factory)
+        self.compiling = PendingGrammars()  # requests whose grammar is being compiled
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
+
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
         """Queue one completion. Raises ValueError (naming the field) for input it cannot serve;
@@ -185,7 +202,10 @@ class Engine:
 
     def enqueue(self, req: Req) -> None:
         self.reqs[req.rid] = req
-        self.scheduler.add(req)
+        if req.params.grammar is None:
+            self.scheduler.add(req)
+        else:  # scheduled once its grammar is compiled (off the step)
+            self.compiling.add(req, self.grammars.submit(*req.params.grammar))
 
     def make_req(self, request: GenerateRequest) -> Req:
         """A checked `Req` for `request`, not yet queued (ValueError naming the field)."""
@@ -230,12 +250,15 @@ class Engine:
     def _check_params(self, params: SamplingParams) -> None:
         """Token ids and seeds the sampler would index or hash with (the API checks them too)."""
         vocab = self.model_config.vocab_size
-        for name in ("stop_token_ids", "force_token_ids"):
-            if any(not 0 <= t < vocab for t in getattr(params, name)):
-                raise ValueError(f"{name} must be token ids in [0, {vocab})")
-        trigger = params.force_after_token_id
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        trigger = params.grammar_after_token_id
         if trigger is not None and not 0 <= trigger < vocab:
-            raise ValueError(f"force_after_token_id must be a token id in [0, {vocab})")
+            raise ValueError(f"grammar_after_token_id must be a token id in [0, {vocab})")
+        if params.grammar is not None and self.grammars is None:
+            raise ValueError(
+                f"{params.grammar[0]}: structured output is off (--grammar-backend none)"
+            )
         if params.seed is not None and not -(2**63) <= params.seed < 2**63:
             raise ValueError("seed must be a 64-bit integer")
 
@@ -243,22 +266,26 @@ class Engine:
         req = self.reqs.pop(rid, None)
         if req is None:
             return None
+        self.compiling.discard(req)
         self.scheduler.finish(req)
         req.finish("abort")
         return req.take_output()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(len(self.compiling))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One batch. A failure while running it ends that batch's requests with an error (their
         KV freed, nothing cached from the failed run); the engine serves everyone else."""
+        refused = self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            if self.has_work():
+            if len(self.compiling):
+                self.compiling.wait(0.005)  # nothing runnable: let the compile thread work
+            elif self.has_work():
                 time.sleep(0.001)  # only waiting on a storage prefetch: let its thread run
-            return []
+            return refused
         try:
             self._count_prompt(scheduled)
             if self.spec is not None:
@@ -270,15 +297,34 @@ class Engine:
             logger.exception("a step failed; ending its %d request(s)", len(scheduled.reqs))
             for req in scheduled.reqs:
                 req.fail(f"the engine could not run this request: {type(e).__name__}")
-        return self._collect(scheduled.reqs)
+        return refused + self._collect(scheduled.reqs)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar is ready; answer those whose grammar failed."""
+        if not len(self.compiling):
+            return []
+        resolved = self.compiling.resolve()
+        for req, compiled in resolved.ready:
+            matcher = self.grammars.matcher(compiled)
+            req.sampling.grammar = GrammarState(matcher, req.params.grammar_after_token_id)
+            self.scheduler.add(req)
+        refused = []
+        for req, message in resolved.failed:
+            self.reqs.pop(req.rid, None)
+            req.error = f"{req.params.grammar[0]}: {message}"
+            req.finish("abort")
+            refused.append(req.take_output())
+        return refused
 
     def _step_plain(self, scheduled: ScheduledBatch) -> None:
+        ahead = self._fill_ahead(scheduled)
         sampled, logits = self.runner.forward(scheduled)
         for req, end in zip(scheduled.reqs, scheduled.ends):
             req.kv_len = end
         reqs = [scheduled.reqs[i] for i in sampled]
         if reqs:
-            result = self.sampler(logits, [r.sampling for r in reqs])
+            filled = ahead.result() if ahead is not None else None
+            result = self.sampler(logits, [r.sampling for r in reqs], filled)
             for req, token, lp in zip(reqs, result.token_ids, result.logprobs):
                 self._append_isolated(req, token, lp)
 
@@ -289,6 +335,14 @@ class Engine:
         except Exception as e:
             logger.exception("request %s failed after its step", req.rid)
             req.fail(f"the engine could not continue this request: {type(e).__name__}")
+
+    def _fill_ahead(self, scheduled: ScheduledBatch) -> Future | None:
+        """Fill the grammar bitmask of the rows this step samples while the model runs."""
+        states = [r.sampling for r, end in zip(scheduled.reqs, scheduled.ends)
+                  if end == len(r.fill_ids)]  # fmt: skip
+        if not any(s.grammar is not None and s.grammar.active for s in states):
+            return None
+        return self._mask_pool.submit(fill_bitmask, states, self.model_config.vocab_size)
 
     def _count_prompt(self, scheduled: ScheduledBatch) -> None:
         for req, start in zip(scheduled.reqs, scheduled.starts):
@@ -311,6 +365,8 @@ class Engine:
             req.finish("stop", token)
         elif token in self.eos_token_ids and not params.ignore_eos:
             req.finish("stop", token)
+        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
+            req.finish("stop", token)  # the grammar is complete (it accepted a stop token)
         elif params.max_tokens is not None and n_out >= params.max_tokens:
             req.finish("length")
         elif len(req.prompt_ids) + n_out >= self.context_length:

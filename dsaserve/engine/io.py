@@ -59,3 +59,4 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     spec_accept_rate: float | None = None  # correct drafts / proposed drafts
     spec_num_correct_drafts: int = 0
     spec_num_proposed_drafts: int = 0
+    error: str | None = None  # set (finished, abort) when the request could not be served: a 400

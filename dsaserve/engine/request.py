@@ -32,6 +32,7 @@ class Req:
     prefix_node: TreeNode | None = None
     cached_tokens: int | None = None  # set at first admission
     finish_reason: dict | None = None
+    error: str | None = None  # why the request was refused after admission (a 400)
     # what the next RequestOutput will carry
     pending_ids: list[int] = field(default_factory=list)
     pending_text: str = ""
@@ -75,6 +76,7 @@ class Req:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens or 0,
+            error=self.error,
             logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
             **self._spec_report(),
         )

@@ -74,10 +74,17 @@ class _Layout:
 
 
 def _plain(state: SamplingState) -> bool:
-    """Greedy with nothing that depends on the output so far (the sampler's argmax path)."""
+    """Greedy with nothing that depends on the output so far (the sampler's argmax path).
+
+    A grammar does depend on it: such rows are sampled one verify row at a time, each masked by
+    the grammar after the tokens accepted before it, so a draft token the grammar forbids is
+    never accepted (the target's masked token differs from it) and greedy constrained output is
+    token for token the non-speculative one.
+    """
     params = state.params
     return (
-        params.greedy
+        state.grammar is None
+        and params.greedy
         and not state.has_penalties
         and params.logprobs is None
         and len(state.output_ids) >= params.min_tokens

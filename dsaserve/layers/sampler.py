@@ -3,7 +3,9 @@
 Order per row (SGLang/vLLM/OpenAI conventions): repetition penalty (HF style, prompt + output),
 frequency and presence penalties (OpenAI style, output only), min_tokens masking, then either
 argmax (greedy) or temperature → top-k → top-p → min-p and an inverse-CDF draw from one
-uniform per row. Logprobs always come from the raw logits.
+uniform per row. A row whose request has an active grammar (structured output) is masked to the
+tokens the grammar allows before any of that (`dsaserve.grammar.bitmask`); the other rows are not
+touched. Logprobs always come from the raw logits.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import NamedTuple
 import torch
 
 from dsaserve.engine.io import TokenLogprob
+from dsaserve.grammar.bitmask import Filled, apply_grammars, constrained_rows
+from dsaserve.grammar.state import GrammarState
 from dsaserve.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -56,15 +60,12 @@ class SamplingState:
             self._prompt_unique[cpu_ids.device] = cpu_ids
         self._out_buf = torch.empty(64 if self.has_penalties else 0, dtype=torch.long)
         self._out_len = 0
-        self._armed = params.force_after_token_id is not None  # waiting for the trigger
-        self.forced = [] if self._armed else list(params.force_token_ids)
+        self.grammar: GrammarState | None = None  # set by the engine once compiled
 
     def append(self, token_id: int) -> None:
         self.output_ids.append(token_id)
-        if self.forced and token_id == self.forced[0]:
-            self.forced.pop(0)
-        elif self._armed and token_id == self.params.force_after_token_id:
-            self._armed, self.forced = False, list(self.params.force_token_ids)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if not self.has_penalties:
             return
         if self._out_len == self._out_buf.numel():
@@ -109,23 +110,31 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._generator = torch.Generator().manual_seed(seed)  # CPU: one scalar per row
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SampleResult:
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState], filled: Filled | None = None
+    ) -> SampleResult:
+        """`filled`: the grammar bitmask of these states, filled ahead (see grammar.bitmask)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
         if not states:
             return SampleResult([], [])
         logits = logits[:, : states[0].vocab_size]
-        if all(_plain_greedy(s) for s in states):
+        constrained = constrained_rows(states)
+        if not constrained and all(_plain_greedy(s) for s in states):
             token_ids = logits.argmax(dim=-1).tolist()
         else:
             work = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-            token_ids = self._sample(work, states)
-        for i, state in enumerate(states):
-            if state.forced:
-                token_ids[i] = state.forced[0]
+            token_ids = self._sample(work, states, constrained, filled)
         return SampleResult(token_ids, _logprobs(logits, token_ids, states))
 
-    def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        constrained: list[int],
+        filled: Filled | None = None,
+    ) -> list[int]:
+        apply_grammars(logits, states, constrained, filled)
         _apply_penalties(logits, states)
         _mask_min_tokens(logits, states)
         token_ids = logits.argmax(dim=-1)

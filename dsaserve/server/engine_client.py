@@ -206,7 +206,10 @@ class EngineClient:
 
 
 def _error_or(output: RequestOutput) -> RequestOutput | APIError:
-    """An `error` finish (the engine failed on this request alone) becomes its APIError."""
+    """An `error` finish (the engine failed on this request alone) becomes its APIError, and so
+    does a refusal after admission (`error`: a grammar that failed to compile, a 400)."""
+    if output.error is not None:
+        return APIError(400, output.error, param=_param(output.error))
     reason = output.finish_reason or {}
     if output.finished and reason.get("type") == "error":
         status = int(reason.get("status") or 500)
@@ -251,3 +254,9 @@ class RequestStream:
 
     def __del__(self) -> None:
         self.end(abort=True)
+
+
+def _param(error: str) -> str | None:
+    """The request field an engine-side refusal names ("json_schema: ..." -> json_schema)."""
+    head = error.split(":", 1)[0]
+    return head if head.isidentifier() else None

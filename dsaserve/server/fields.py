@@ -36,6 +36,7 @@ MAX_LIST_PROMPTS = 4096
 MAX_TOOLS = 1024
 MAX_NAME_CHARS = 256
 MAX_RID_CHARS = 256
+MAX_GRAMMAR_CHARS = 1 << 20  # a regex, EBNF grammar or JSON schema given as text
 
 
 class Strict(BaseModel):
@@ -96,6 +97,8 @@ Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 Rid = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Stop = StopString | bounded_list(StopString, MAX_STOP_STRINGS)
+GrammarText = Annotated[str, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+Schema = GrammarText | dict[str, Any]  # a JSON schema, as text or as an object
 Temperature = Annotated[float, Field(ge=0, le=100), _PLAIN_NUMBER]
 TopP = Annotated[float, Field(gt=0, le=1), _PLAIN_NUMBER]
 Unit = Annotated[float, Field(ge=0, le=1), _PLAIN_NUMBER]

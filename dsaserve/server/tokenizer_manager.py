@@ -21,12 +21,12 @@ from dsaserve.args import ServerArgs
 from dsaserve.engine.io import GenerateRequest
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.server.errors import APIError, bad_request
-from dsaserve.server.parsers import tool_dsml
 from dsaserve.server.parsers.registry import (
     DEEPSEEK_V32,
     resolve_reasoning_parser,
     resolve_tool_parser,
 )
+from dsaserve.server.structured import StructuredOutput
 from dsaserve.server.templates import deepseek_v32, model_type_of
 
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
@@ -67,6 +67,7 @@ class TokenizerManager:
         self.tool_parser = resolve_tool_parser(args.tool_call_parser, self.template, model_type)
         self.default_kwargs = args.chat_template_defaults()
         self.model_name = args.served_model_name or Path(args.model_path).name
+        self.structured = StructuredOutput(args.grammar_backend, tokenizer.get_vocab())
 
     # ---- chat
     def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
@@ -146,31 +147,6 @@ class TokenizerManager:
                 "allowed (--max-sequences-per-request)",
                 param,
             )
-
-    def tool_call_forcing(self, tool_choice: Any, prompt: str) -> dict:
-        """Sampling fields that make `tool_choice` "required" or named open a tool call (and name
-        it) in the model's native format, right after `</think>` (or at once without thinking)."""
-        forcing = tool_choice == "required" or isinstance(tool_choice, dict)
-        if self.tool_parser is None or not forcing:
-            return {}
-        vocab = self.tokenizer.get_vocab()
-        if self.tool_parser == "deepseekv32":
-            return self._dsml_forcing(tool_choice, prompt, vocab)
-        if "<tool_call>" not in vocab:
-            return {}
-        forced = [vocab["<tool_call>"]]
-        if isinstance(tool_choice, dict):
-            forced += self.encode(tool_choice["function"]["name"])
-        thinking = prompt.rstrip().endswith("<think>") and "</think>" in vocab
-        trigger = vocab["</think>"] if thinking else None
-        return {"force_token_ids": forced, "force_after_token_id": trigger}
-
-    def _dsml_forcing(self, tool_choice: Any, prompt: str, vocab: dict) -> dict:
-        name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-        forced = self.encode(tool_dsml.forced_call_text(name))
-        thinking = prompt.rstrip().endswith("<think>") and "</think>" in vocab
-        return {"force_token_ids": forced,
-                "force_after_token_id": vocab["</think>"] if thinking else None}  # fmt: skip
 
     def make_requests(
         self, input_ids: list[int], sampling: SamplingParams, rid: str | None

@@ -2,7 +2,7 @@
 
 Every known field is typed and bounded (see `fields.py`); unknown top-level fields are ignored, so
 a router may add its own. Wrong types, bad values and unknown roles fail validation and come back
-as 400 naming the field. Internal sampling fields (`force_token_ids`, ...) are not fields of any
+as 400 naming the field. Internal sampling fields (`tool_call_grammar`, ...) are not fields of any
 model, so a client cannot set them: they are ignored like any other unknown field. Adding a field
 is one line in the model of its route.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from dsaserve.server.fields import (
     MAX_LIST_PROMPTS,
@@ -20,6 +20,7 @@ from dsaserve.server.fields import (
     MAX_TOOLS,
     Bool,
     Count,
+    GrammarText,
     Int64,
     N,
     Name,
@@ -28,6 +29,7 @@ from dsaserve.server.fields import (
     RepetitionPenalty,
     Rid,
     RoomId,
+    Schema,
     Stop,
     StopTokenIds,
     Strict,
@@ -99,8 +101,19 @@ class StreamOptions(Strict):
     continuous_usage_stats: Bool = False
 
 
+class JsonSchemaFormat(Strict):
+    """`response_format.json_schema`: the schema is enforced by a grammar whatever `strict` says."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: Name | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | Bool | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class BootstrapFields(Strict):
@@ -135,6 +148,10 @@ class SamplingFields(BootstrapFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: Rid | None = None
+    # SGLang's structured-output extras (dsaserve.server.structured)
+    json_schema: Schema | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -190,6 +207,9 @@ class NativeSamplingParams(Strict):
     n: N = 1
     seed: Int64 | None = None
     sampling_seed: Int64 | None = None
+    json_schema: Schema | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
 
     def engine_fields(self) -> dict:
         """The values under `SamplingParams` names (max_tokens, min_tokens, seed)."""

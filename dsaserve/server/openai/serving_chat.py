@@ -32,8 +32,6 @@ def prepare_chat(
 ) -> PreparedChat:
     """Template, tokenize, check limits, build sampling (`count_only`: any length, no limits)."""
     tm = state.tokenizer_manager
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("response_format other than 'text' is not supported", "response_format")
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     tool_choice = req.tool_choice
     if hasattr(tool_choice, "model_dump"):
@@ -53,10 +51,10 @@ def prepare_chat(
     parsing = tm.reasoning_parser is not None or (tm.tool_parser is not None and bool(tools))
     if parsing:
         fields["skip_special_tokens"] = False  # the parsers need the markup tokens
-    fields.update(tm.tool_call_forcing(tool_choice, prompt))
     if count_only:
         max_tokens = max_tokens or 1
     else:
+        fields.update(tm.structured.chat_fields(req, tools, tool_choice, tm.tool_parser, prompt))
         max_tokens = tm.fit_max_tokens(len(input_ids), max_tokens, param)
     sampling = tm.sampling(fields, max_tokens)
     return PreparedChat(

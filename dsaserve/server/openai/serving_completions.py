@@ -40,6 +40,7 @@ def _prepare_completions(state: ServerState, req: CompletionRequest) -> tuple[li
     tm.check_sequences(len(prompts) * req.n, "n" if len(prompts) == 1 else "prompt")
     requests, prompt_ids = [], []
     fields = req.model_dump()
+    fields.update(tm.structured.native_fields(fields))  # in this worker thread: it may compile
     for p, ids in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
         if not ids:
@@ -147,6 +148,7 @@ def _prepare_generate(state: ServerState, req: GenerateRequestIn) -> list:
     if not ids:
         raise bad_request("the prompt must not be empty", param)
     fields = req.sampling_params.engine_fields()
+    fields.update(tm.structured.native_fields(fields, "sampling_params."))
     if req.return_logprob:
         fields["logprobs"] = req.top_logprobs_num
     max_tokens = fields.pop("max_tokens")

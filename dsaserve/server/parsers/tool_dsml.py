@@ -64,12 +64,6 @@ def parse_tag(text: str) -> Tag:
     return Tag(closing, kind.group(1) if kind else "", attrs)
 
 
-def forced_call_text(name: str | None) -> str:
-    """What `tool_choice` required (no name) or named makes the model write first."""
-    text = f'\n\n<{DSML}function_calls>\n<{DSML}invoke name="'
-    return text + (f'{name}">\n' if name else "")
-
-
 class DsmlToolParser:
     """Streaming DSML parser; feed content chunks, then call `finish()`."""
 

@@ -1,0 +1,271 @@
+"""Structured output through a real `dsaserve serve` and the official SDKs, on a random model
+whose unconstrained output is noise: every answer parses and validates against its schema
+(a table of schemas; thinking on and off; streaming and not; several seeds), regex and EBNF on
+`/generate`, tool_choice "required" / named / strict tools give calls that validate, bad
+grammars are a 400 naming the field, and the cache report is on by default.
+
+Thinking on: a random model never closes `<think>` by chance, so the checkpoint here has the
+lm_head rows of `</think>` and of the third token the model writes greedily for PROMPT swapped:
+it writes two reasoning tokens, then `</think>`, then (constrained) the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+from safetensors.torch import load_file, save_file
+from server_harness import Server, running_server
+from test_server_openai import stream_message
+
+from dsaserve import LLM, SamplingParams
+
+PROMPT = [{"role": "user", "content": "Reply with the record as JSON, please."}]
+S, I = "string", "integer"  # noqa: E741
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": S, "maxLength": 8},
+                                                  "id": {"type": I, "minimum": 0, "maximum": 999}},
+                 "required": ["name", "id"]}}, "required": ["user"]},
+    "array_bounds": {"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": S, "maxLength": 5}, "minItems": 2, "maxItems": 4}},
+        "required": ["tags"]},
+    "enums": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "size": {"type": S, "enum": ["S", "M", "L"]}},
+              "required": ["color", "size"]},
+    "number_ranges": {"type": "object", "properties": {
+        "t": {"type": "number", "minimum": -10, "maximum": 40},
+        "n": {"type": I, "exclusiveMinimum": 0, "maximum": 5}}, "required": ["t", "n"]},
+    "any_of": {"type": "object", "properties": {"v": {"anyOf": [
+        {"type": I, "minimum": 0, "maximum": 99}, {"type": S, "maxLength": 6},
+        {"type": "boolean"}]}}, "required": ["v"]},
+    "optional": {"type": "object", "properties": {
+        "a": {"type": I, "minimum": 0, "maximum": 9}, "b": {"type": S, "maxLength": 4},
+        "c": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False},
+    "patterns": {"type": "object", "properties": {
+        "code": {"type": S, "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+        "month": {"type": S, "pattern": "^20[0-9]{2}-(0[1-9]|1[0-2])$"}},
+        "required": ["code", "month"]},
+}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": S, "maxLength": 12},
+                "days": {"type": I, "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "order_id": {"type": S, "pattern": "^[0-9]{5}$"},
+                "items": {
+                    "type": "array",
+                    "items": {"type": I, "minimum": 0, "maximum": 9},
+                    "maxItems": 3,
+                },
+            },
+            "required": ["order_id", "items"],
+        },
+    },
+}
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("structured") / "ckpt"
+    shutil.copytree(server_checkpoint, folder)
+    llm = LLM(str(folder), max_total_tokens=2048, page_size=16)
+    prompt = llm.tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True,
+                                               enable_thinking=True)  # fmt: skip
+    third = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0),
+                         use_tqdm=False)[0].token_ids[2]  # fmt: skip
+    think_end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    del llm
+    tensors = load_file(str(folder / "model.safetensors"))
+    head = tensors["lm_head.weight"]
+    head[[third, think_end]] = head[[think_end, third]]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path):
+    with running_server(checkpoint, "--served-model-name", "glm-test") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_answer_validates(client: openai.OpenAI, name: str):
+    schema, fmt = SCHEMAS[name], schema_format(SCHEMAS[name])
+    sampled = client.chat.completions.create(model="m", messages=PROMPT, max_tokens=120, n=3,
+                                             temperature=1.0, seed=7, response_format=fmt,
+                                             extra_body=NO_THINK)  # fmt: skip
+    answers = [(c.message.content, c.finish_reason) for c in sampled.choices]
+    for thinking in (NO_THINK, THINK):
+        kwargs = dict(model="m", messages=PROMPT, max_tokens=120, temperature=0,
+                      response_format=fmt, extra_body=thinking)  # fmt: skip
+        full = client.chat.completions.create(**kwargs).choices[0]
+        streamed, _ = stream_message(client, **kwargs)
+        assert streamed["content"] == full.message.content
+        answers += [(full.message.content, full.finish_reason)]
+        if thinking is THINK:
+            assert full.message.reasoning_content  # thinking stayed free, the JSON is content
+            assert streamed["reasoning_content"] == full.message.reasoning_content
+    for content, finish in answers:
+        assert finish == "stop", content
+        jsonschema.validate(json.loads(content), schema)
+
+
+def test_json_object_and_unconstrained_noise(client: openai.OpenAI):
+    # json_object bounds nothing (a random model writes long keys): greedy, with room to finish
+    kwargs = dict(model="m", messages=PROMPT, max_tokens=200, temperature=0,
+                  response_format={"type": "json_object"}, extra_body=NO_THINK)  # fmt: skip
+    out = client.chat.completions.create(**kwargs).choices[0]
+    assert out.finish_reason == "stop"
+    assert isinstance(json.loads(out.message.content), dict)
+    assert stream_message(client, **kwargs)[0]["content"] == out.message.content
+    free = client.chat.completions.create(model="m", messages=PROMPT, max_tokens=30,
+                                          temperature=0, extra_body=NO_THINK)  # fmt: skip
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+
+
+def test_regex_and_ebnf_on_generate(server: Server):
+    cases = [
+        ("regex", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}", r"(yes|no): [a-z]{2,6}, [0-9]{1,3}"),
+        (
+            "regex",
+            r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\.",
+            r"[A-Z][a-z]{1,8}( [A-Z][a-z]{1,8}){0,2}\.",
+        ),
+        (
+            "ebnf",
+            'root ::= "(" num (op num){0,3} ")"\nnum ::= [1-9] [0-9]{0,2}\nop ::= " + " | " * "',
+            r"\([1-9][0-9]{0,2}(( \+ | \* )[1-9][0-9]{0,2}){0,3}\)",
+        ),
+    ]
+    for kind, grammar, check in cases:
+        for seed in range(3):
+            body = {
+                "text": "Say something:",
+                "sampling_params": {
+                    "max_new_tokens": 60,
+                    "temperature": 1.0,
+                    "seed": seed,
+                    kind: grammar,
+                },
+            }
+            answer = httpx.post(server.url + "/generate", json=body, timeout=120).json()
+            assert re.fullmatch(check, answer["text"]), (kind, answer)
+            assert answer["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def validate_calls(calls: list[tuple[str, dict]], tools: list[dict]) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+
+
+def test_tool_choice_required_and_named_calls_validate(client: openai.OpenAI):
+    tools, ask = [WEATHER, LOOKUP], [{"role": "user", "content": "Do something useful."}]
+    for choice in ("required", {"type": "function", "function": {"name": "lookup"}}):
+        kwargs = dict(model="m", messages=ask, tools=tools, tool_choice=choice, seed=3,
+                      temperature=1.0, max_tokens=150, parallel_tool_calls=False,
+                      extra_body=NO_THINK)  # fmt: skip
+        out = client.chat.completions.create(n=4, **kwargs)
+        for c in out.choices:
+            calls = calls_of(c.message)
+            assert c.finish_reason == "tool_calls" and len(calls) == 1, c
+            assert isinstance(choice, str) or calls[0][0] == "lookup"
+            validate_calls(calls, tools)
+        streamed, _ = stream_message(client, **kwargs)
+        assert streamed["finish_reason"] == "tool_calls"
+        first = calls_of(out.choices[0].message)
+        assert [json.loads(s["args"]) for s in streamed["tool_calls"].values()] == [
+            a for _, a in first
+        ]
+    # parallel calls: back to back until the model stops (a random one may not: max_tokens cuts
+    # the last call, every complete one validates)
+    out = client.chat.completions.create(model="m", messages=ask, tools=tools, n=3, seed=4,
+                                         tool_choice="required", temperature=1.0, max_tokens=120,
+                                         extra_body=NO_THINK)  # fmt: skip
+    for c in out.choices:
+        calls = calls_of(c.message)
+        complete = calls if c.finish_reason == "tool_calls" else calls[:-1]
+        assert calls and c.finish_reason in ("tool_calls", "length") and c.message.content is None
+        validate_calls(complete, tools)
+
+
+def test_strict_tools_validate_when_called(client: openai.OpenAI):
+    strict = [dict(WEATHER, function=dict(WEATHER["function"], strict=True)), LOOKUP]
+    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Go"}],
+                                         tools=strict, n=6, seed=5, temperature=1.0,
+                                         max_tokens=80, extra_body=NO_THINK)  # fmt: skip
+    for choice in out.choices:
+        validate_calls(calls_of(choice.message), strict)  # text, or calls that validate
+
+
+def test_uncompilable_grammars_are_400_naming_the_field(client: openai.OpenAI, server: Server):
+    bad = schema_format({"type": "object", "properties": {"a": {"type": "strin"}}})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=PROMPT, response_format=bad)
+    assert e.value.body["param"] == "response_format.json_schema.schema"
+    assert "strin" in e.value.body["message"]
+    for kind, grammar in (("regex", "(unclosed"), ("ebnf", "root ::= missing_rule")):
+        body = {"text": "x", "sampling_params": {"max_new_tokens": 4, kind: grammar}}
+        reply = httpx.post(server.url + "/generate", json=body, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == (
+            f"sampling_params.{kind}"
+        ), reply.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=PROMPT, tools=[WEATHER],
+                                       tool_choice="required",
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert e.value.body["param"] == "response_format"
+
+
+def test_cache_report_is_on_by_default(client: openai.OpenAI, server: Server):
+    long = [{"role": "system", "content": "You answer questions about records. " * 8}, *PROMPT]
+    for _ in range(2):
+        out = client.chat.completions.create(model="m", messages=long, max_tokens=2)
+    assert out.usage.prompt_tokens_details.cached_tokens >= 16
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+    for _ in range(2):
+        reply = claude.messages.create(model="m", max_tokens=2, system=long[0]["content"],
+                                       messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+    assert reply.usage.cache_read_input_tokens >= 16
