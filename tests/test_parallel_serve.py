@@ -95,7 +95,7 @@ def alive(pid: int) -> bool:
 def kill_rank_mid_stream(server, rank_pid: int) -> None:
     """kill -9 `rank_pid` while a stream runs: the stream errors, /health turns 503, and the
     engine process and every rank are gone (the API process stays, answering 503)."""
-    engine = [p for p in children(server.process.pid) if "resource_tracker" not in cmdline(p)]
+    engine = engine_pids(server)
     ranks = [pid for e in engine for pid in children(e)]
     client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
     stream = client.completions.create(model="m", prompt=LONG, max_tokens=400, temperature=0,
@@ -113,6 +113,12 @@ def kill_rank_mid_stream(server, rank_pid: int) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert_gone([*engine, *ranks])
+
+
+def engine_pids(server) -> list[int]:
+    """The engine process (rank 0), as the server reports it: the API process has other
+    children too (the large-body decoder's worker)."""
+    return [httpx.get(server.url + "/get_server_info", timeout=30).json()["engine_pid"]]
 
 
 def rank_pids(api_pid: int) -> list[int]:
@@ -188,7 +194,7 @@ def free_port() -> int:
 def hang_rank(server, timeout: float) -> None:
     """SIGSTOP a rank: within --watchdog-timeout the request fails, /health turns 503 and the
     engine and every rank (the stopped one too) are gone."""
-    engine = [p for p in children(server.process.pid) if "resource_tracker" not in cmdline(p)]
+    engine = engine_pids(server)
     ranks = [pid for e in engine for pid in children(e)]
     os.kill(ranks[0], signal.SIGSTOP)
     started = time.monotonic()

@@ -104,13 +104,16 @@ class DPEngineClient(EngineClient):
                 except APIError:
                     pass
 
-    def _send(self, message: ipc.ToEngine) -> None:
+    def _send_bytes(self, data: bytes) -> None:
         """EngineClient's one send path: a submit goes to the chosen group, the rest to 0."""
-        self._send_to(0 if self._target is None else self._target, message)
+        self._send_bytes_to(0 if self._target is None else self._target, data)
 
     def _send_to(self, group: int, message: ipc.ToEngine) -> None:
+        self._send_bytes_to(group, ipc.encode(message))
+
+    def _send_bytes_to(self, group: int, data: bytes) -> None:
         try:
-            self.sockets[group].send(ipc.encode(message), zmq.NOBLOCK)
+            self.sockets[group].send(data, zmq.NOBLOCK)
         except zmq.Again as e:
             raise APIError(503, "engine is not accepting requests", retry_after=1) from e
 

@@ -294,6 +294,8 @@ class Engine:
             else:
                 self._step_plain(scheduled)
         except Exception as e:
+            if self.parallel.world > 1:  # the ranks are out of lock-step: the engine must go
+                raise
             logger.exception("a step failed; ending its %d request(s)", len(scheduled.reqs))
             for req in scheduled.reqs:
                 req.fail(f"the engine could not run this request: {type(e).__name__}")
