@@ -119,9 +119,9 @@ class DecodeEngine(RoleEngine):
 
     def _bootstrap(self, room: int, state: Room) -> None:
         prefill = self.directory.get(state.address)
-        if prefill.lost:
+        if prefill.lost and prefill.answered_at > state.since:  # still lost after the room came
             return self._fail(room, prefill.lost, 503)
-        if prefill.endpoint is None:
+        if prefill.endpoint is None:  # resolving (a restarted prefill answers within a look)
             return
         if self.registered.get(prefill.endpoint, "") != prefill.session:
             registration = Registration(

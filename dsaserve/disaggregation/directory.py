@@ -25,6 +25,7 @@ class Prefill:
     lost: str | None = None  # why it is considered gone
     failures: int = 0
     last_check: float = 0.0
+    answered_at: float = 0.0  # when the last look at it (resolve or heartbeat) ended
 
 
 class PrefillDirectory:
@@ -40,14 +41,15 @@ class PrefillDirectory:
 
     def want(self, address: str) -> None:
         with self.lock:
-            if address not in self.entries:
-                self.entries[address] = Prefill()
+            entry = self.entries.setdefault(address, Prefill())
+            if entry.endpoint is None:  # new, or lost: look (again) now
                 self.wake.set()
 
     def get(self, address: str) -> Prefill:
         with self.lock:
             entry = self.entries.get(address) or Prefill()
-            return Prefill(entry.endpoint, entry.session, entry.lost, entry.failures)
+            return Prefill(entry.endpoint, entry.session, entry.lost, entry.failures,
+                           entry.last_check, entry.answered_at)  # fmt: skip
 
     def close(self) -> None:
         self.stopped = True
@@ -86,10 +88,12 @@ class PrefillDirectory:
             entry.endpoint = f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
             entry.session = info.get("dsaserve_session")
             entry.lost, entry.failures = None, 0
+            entry.answered_at = time.monotonic()
 
     def _missed(self, entry: Prefill, reason: str) -> None:
         with self.lock:
             entry.failures += 1
+            entry.answered_at = time.monotonic()
             if entry.failures >= self.max_failures:
                 entry.lost = reason
                 entry.endpoint = None  # resolve again if it comes back
