@@ -124,11 +124,10 @@ class BootstrapFields(Strict):
     bootstrap_room: RoomId | bounded_list(RoomId, MAX_LIST_PROMPTS) | None = None
 
 
-class SamplingFields(BootstrapFields):
-    """Fields shared by chat and completions."""
+class SamplerFields(Strict):
+    """The sampling knobs every route spells the same way (OpenAI routes and `/generate`'s
+    `sampling_params`), with SGLang's structured-output extras (dsaserve.server.structured)."""
 
-    model: str | None = None
-    max_tokens: Count | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
@@ -136,7 +135,6 @@ class SamplingFields(BootstrapFields):
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
     repetition_penalty: RepetitionPenalty = 1.0
-    min_tokens: Count = 0
     n: N = 1
     stop: Stop | None = None
     stop_token_ids: StopTokenIds | None = None
@@ -144,14 +142,21 @@ class SamplingFields(BootstrapFields):
     ignore_eos: Bool = False
     skip_special_tokens: Bool = True
     no_stop_trim: Bool = False
+    json_schema: Schema | None = None
+    regex: GrammarText | None = None
+    ebnf: GrammarText | None = None
+
+
+class SamplingFields(SamplerFields, BootstrapFields):
+    """Fields shared by chat and completions."""
+
+    model: str | None = None
+    max_tokens: Count | None = None
+    min_tokens: Count = 0
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: Rid | None = None
-    # SGLang's structured-output extras (dsaserve.server.structured)
-    json_schema: Schema | None = None
-    regex: GrammarText | None = None
-    ebnf: GrammarText | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -186,30 +191,13 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class NativeSamplingParams(Strict):
+class NativeSamplingParams(SamplerFields):
     """SGLang's `sampling_params` (names as SGLang spells them; `sampling_seed` or `seed`)."""
 
     max_new_tokens: Count | None = 128
     min_new_tokens: Count = 0
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    min_p: Unit = 0.0
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    stop: Stop | None = None
-    stop_token_ids: StopTokenIds | None = None
-    ignore_eos: Bool = False
-    skip_special_tokens: Bool = True
     spaces_between_special_tokens: Bool = True
-    no_stop_trim: Bool = False
-    n: N = 1
-    seed: Int64 | None = None
     sampling_seed: Int64 | None = None
-    json_schema: Schema | None = None
-    regex: GrammarText | None = None
-    ebnf: GrammarText | None = None
 
     def engine_fields(self) -> dict:
         """The values under `SamplingParams` names (max_tokens, min_tokens, seed)."""
