@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -85,19 +84,8 @@ def stop_all(servers: list[Server]) -> None:
         t.join()
 
 
-@dataclass
-class Router:
-    url: str
-    process: subprocess.Popen
-    log: list[str] = field(default_factory=list)
-
-    @property
-    def base(self) -> str:
-        return self.url + "/v1"
-
-
 @contextlib.contextmanager
-def running_router(*flags: str) -> Iterator[Router]:
+def running_router(*flags: str) -> Iterator[Server]:
     port, metrics = free_port(), free_port()
     command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port",
@@ -105,7 +93,7 @@ def running_router(*flags: str) -> Iterator[Router]:
                *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, start_new_session=True)  # fmt: skip
-    router = Router(f"http://127.0.0.1:{port}", process)
+    router = Server(f"http://127.0.0.1:{port}", process)
     threading.Thread(target=lambda: router.log.extend(process.stdout), daemon=True).start()
     try:
         _wait_router(router)
@@ -114,7 +102,7 @@ def running_router(*flags: str) -> Iterator[Router]:
         stop_group(process)
 
 
-def _wait_router(router: Router) -> None:
+def _wait_router(router: Server) -> None:
     deadline = time.monotonic() + ROUTER_START_S
     while time.monotonic() < deadline:
         if router.process.poll() is not None:
