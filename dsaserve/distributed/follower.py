@@ -17,9 +17,9 @@ from dsaserve.distributed.rounds import RankRunner
 
 
 def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
-    from dsaserve.engine.engine import _device
+    from dsaserve.engine.startup import pick_device
 
-    device = _device(args.device)
+    device = pick_device(args.device)
     parallel = init_rank(args, rank, where, device.type)
     rank_threads(parallel.sizes)
     if parallel.is_leader:  # another DP-attention group's scheduler
@@ -35,14 +35,14 @@ def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
 
 def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunner:
     from dsaserve.args import speculative_settings
-    from dsaserve.engine.engine import _dtype, layer_split, load_model, pool_pages
     from dsaserve.engine.kv_pool import KVPool
     from dsaserve.engine.kv_quant import resolve_kv_dtype
+    from dsaserve.engine.startup import layer_split, load_model, pick_dtype, pool_pages
     from dsaserve.model_config import ModelConfig
     from dsaserve.models.dsa_moe import index_cache_ids
 
     config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
-    dtype = _dtype(args.dtype, config, device)
+    dtype = pick_dtype(args.dtype, config, device)
     spec = speculative_settings(args)
     with_mtp = bool(spec) and spec[0] > 0
     model = load_model(args, config, dtype, device, with_mtp, parallel, show_progress=False)

@@ -61,10 +61,10 @@ def check_layout(args: ServerArgs) -> None:
     if sizes == (1, 1, 1, 1) and not args.enable_dp_attention:
         return
     from dsaserve.distributed.checks import check_parallel, moe_backend_note
-    from dsaserve.engine.engine import _device
+    from dsaserve.engine.startup import pick_device
     from dsaserve.model_config import ConfigError, ModelConfig
 
-    device = _device(args.device).type
+    device = pick_device(args.device).type
     try:
         config = ModelConfig.from_hf(args.model_path)
     except ConfigError as e:
