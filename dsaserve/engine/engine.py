@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
+from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
@@ -157,13 +158,19 @@ class Engine:
                                 self.parallel, self.device)  # fmt: skip
             self.model = DistributedModel(runner)
         self.cache = self._make_cache(page_size)
-        # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
-        context = min(args.context_length or cfg.context_length,
-                      self.pool.num_tokens - self.spec_steps)  # fmt: skip
-        self.context_length = context
-        chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
         default_running = 48 if mtp else (256 if self.device.type == "cuda" else 64)
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
+        self.graphs = None  # CUDA-graph decode (engine/cuda_graph.py); takes one scratch page
+        if self.parallel.world == 1:
+            self.graphs = CudaGraphRunner.build(self.model, self.pool, self.kernels,
+                                                args.cuda_graph_max_bs, running, self.spec_steps,
+                                                args.disable_cuda_graph)  # fmt: skip
+        reserved = page_size if self.graphs is not None else 0
+        # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
+        context = min(args.context_length or cfg.context_length,
+                      self.pool.num_tokens - reserved - self.spec_steps)  # fmt: skip
+        self.context_length = context
+        chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
@@ -172,7 +179,8 @@ class Engine:
         plain = plain and self.parallel.world == 1  # the ranks run the layered model
         step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
                                 args.enable_torch_compile)  # fmt: skip
-        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
+                                  self.graphs)  # fmt: skip
         self.spec = None
         if mtp:
             share = cfg.index_share_for_mtp_iteration

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
@@ -21,12 +22,14 @@ class ModelRunner:
         device: torch.device,
         kernels: Kernels = DEFAULT_KERNELS,
         decode_step: DecodeStep | None = None,
+        graphs: CudaGraphRunner | None = None,
     ) -> None:
         self.kernels = kernels
         self.model = model
         self.pool = pool
         self.device = device
         self.decode_step = decode_step  # the all-decode forward (dsaserve/engine/decode_step.py)
+        self.graphs = graphs  # CUDA-graph decode (dsaserve/engine/cuda_graph.py), CUDA only
 
     def forward(
         self, scheduled: ScheduledBatch, all_rows: bool = False
@@ -36,10 +39,22 @@ class ModelRunner:
         batch, sampled = self.build(scheduled)
         if all_rows:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
-        with forward_context(batch):
-            step = self.decode_step
-            hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(batch):
+            hidden = graphs(batch)  # installs its own static batch
+        else:
+            with forward_context(batch):
+                step = self.decode_step
+                hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
+
+    def run_target(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of every row of `batch` through the target model (a speculative verify
+        batch): its CUDA graph where one fits, else the layered model."""
+        if self.graphs is not None and self.graphs.accepts(batch):
+            return self.graphs(batch)
+        with forward_context(batch):
+            return self.model()
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None

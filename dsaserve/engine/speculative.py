@@ -164,8 +164,7 @@ class SpecDecoder:
                                              layout.verify)]  # fmt: skip
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
-        with forward_context(batch):
-            return self.model()
+        return self.runner.run_target(batch)  # a CUDA graph replay where one fits
 
     def _accept(self, scheduled, layout: _Layout, drafts, hidden, sampler, append) -> list[int]:
         """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""

@@ -1,0 +1,74 @@
+"""The decode forward a CUDA graph can hold: static shapes, tensor-only, no host synchronisation.
+
+A captured step replays the same kernels with the same shapes on whatever the static input
+buffers hold, so nothing in it may read a device value on the host (`.item()`, `.tolist()`,
+`int(t)`, `bool(t)`, `nonzero`, boolean-mask indexing) or size a tensor from data. Over an
+all-decode `ForwardBatch` whose every tensor has a fixed shape (rows padded to the bucket, the
+slot table and its mask padded to the context bucket) this is the layered model's forward with
+one part swapped:
+
+- attention, the indexer and the KV writes are the layers' own (`MLAttention.forward` over
+  decode rows is already tensor-only: index_copy_ writes, gathers through the slot table, the
+  indexer's top-k by `topk_earliest` (cumsum / scatter, no sort), masks instead of lengths).
+  Whether the indexer runs at all is decided by the slot table's width (a Python int), so a
+  context bucket above `index_topk` always runs it: a row shorter than index_topk then selects
+  its whole context plus masked picks, which is what dense attention computes.
+- the routed experts run `static_experts` (layers/static_moe.py) instead of `Experts.forward`,
+  whose grouping is done on the host.
+
+The layers are called as modules, so FP8 Linears (`Fp8Linear`), bf16 and fp32 weights, an FP8
+KV cache and every kernel backend work unchanged. One rank only (no TP / EP / DP attention,
+no context-parallel or layer-split cache): the ranks' collectives start from host-side rounds.
+tests/test_static_decode.py runs it with every tensor on the `meta` device, where any host read
+of a value raises, and checks that the layered and the fused decode paths do raise there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsaserve.engine.forward_batch import current_batch
+from dsaserve.layers.moe import MoE
+from dsaserve.layers.static_moe import static_experts
+
+
+class StaticDecode:
+    """The capturable decode forward of `model` (a loaded one-rank DsaMoeForCausalLM)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers = model.model.layers[: model.config.num_hidden_layers]
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """One rank, every expert local, no context-parallel attention."""
+        layers = model.model.layers[: model.config.num_hidden_layers]
+        local = all(
+            not isinstance(layer.mlp, MoE)
+            or layer.mlp.experts.gate_up_proj.shape[0] == layer.mlp.experts.num_experts
+            for layer in layers
+        )
+        return model.parallel.world == 1 and local and all(x.self_attn.cp is None for x in layers)
+
+    @torch.inference_mode()
+    def forward(self) -> torch.Tensor:
+        """Final normed hidden states [T, H] of the installed all-decode batch."""
+        batch = current_batch()
+        model = self.model
+        x = model.model.embed_tokens(batch.input_ids)
+        cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        selection = None
+        for layer in self.layers:
+            attn, selection = layer.self_attn(layer.input_layernorm(x), cos, sin, selection)
+            x = x + attn
+            x = x + self._ffn(layer.mlp, layer.post_attention_layernorm(x))
+        return model.model.norm(x)
+
+    @staticmethod
+    def _ffn(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if not isinstance(mlp, MoE):
+            return mlp(h)
+        index, weights = mlp.gate(h)
+        out = static_experts(mlp.experts, h, index, weights)
+        return out + mlp.shared_experts(h) if mlp.shared_experts is not None else out

@@ -1,0 +1,229 @@
+"""CUDA-graph decode (dsaserve/engine/cuda_graph.py, layers/static_decode.py).
+
+On CPU the runner is forced on with `capture=False`: every decode step then runs the static,
+padded step a graph would replay (rows padded to the bucket, the slot table to the context
+bucket), so the engine's greedy tokens and logprobs must equal the layered path's (fp32, 1e-5),
+on both families, with rows below and above index_topk, and padded rows must leave every real
+KV slot alone. The `meta`-device tests show the captured step has no host synchronisation (a
+read of a device value raises there) and that today's layered and fused decode paths do have
+one. The `gpu` tests capture and replay real graphs and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from speculative_models import make_mtp_checkpoint
+from tiny_models import make_checkpoint
+from triton_env import gpu
+
+from dsaserve import LLM, SamplingParams
+from dsaserve.engine import cuda_graph
+from dsaserve.engine.cuda_graph import (
+    Bucket,
+    CudaGraphRunner,
+    batch_buckets,
+    context_buckets,
+    row_buckets,
+)
+from dsaserve.engine.forward_batch import ForwardBatch, forward_context
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.kernels.registry import DEFAULT_KERNELS
+from dsaserve.layers.fused import FusedDecode
+from dsaserve.layers.static_decode import StaticDecode
+from dsaserve.model_config import ModelConfig
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
+
+CASES = [
+    ("glm", 0, {"indexer_types": ["full", "shared", "full"]}),  # context bucket > index_topk 8
+    ("deepseek", 2, {"index_topk": 16}),  # grouped routing, YaRN
+    ("glm", 1, {"index_topk": 96}),  # every bucket <= index_topk: dense attention
+]
+PROMPT_LENS = (3, 9, 40)  # 3 rows: bucket 4, one padded row
+NEW_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
+
+
+def test_buckets_follow_sglang() -> None:
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(300)[-4:] == [256, 272, 288, 300]
+    assert row_buckets(4, 2) == [1, 2, 3, 4, 6, 12]  # verify rows: bs x (K + 1)
+    assert context_buckets(300) == [64, 128, 256, 300]
+    assert context_buckets(64) == [64]
+
+
+@pytest.fixture
+def forced_graphs(monkeypatch):
+    """Build the runner on CPU too (eager replays of the static step); count its steps and
+    check after each that no real KV slot but the batch's own out slots changed."""
+    monkeypatch.setattr(cuda_graph, "GRAPH_DEVICES", ("cuda", "cpu"))
+    steps: list[int] = []
+    original = CudaGraphRunner.__call__
+
+    def spy(self: CudaGraphRunner, batch: ForwardBatch) -> torch.Tensor:
+        before = self.pool.kv_cache.clone(), self.pool.index_cache.clone()
+        out = original(self, batch)
+        after = self.pool.kv_cache, self.pool.index_cache
+        changed = set()
+        for old, new in zip(before, after):
+            changed |= set((old != new).flatten(2).any(-1).any(0).nonzero()[:, 0].tolist())
+        allowed = set(batch.out_slots.tolist()) | {self.inputs.scratch}
+        assert changed <= allowed, changed - allowed
+        rows = batch.input_ids.shape[0]
+        steps.append((rows, self.bucket(batch).rows - rows))  # (rows, padded rows)
+        return out
+
+    monkeypatch.setattr(CudaGraphRunner, "__call__", spy)
+    return steps
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+def _assert_same(reference, got) -> None:
+    for want, out in zip(reference, got):
+        assert out.token_ids == want.token_ids
+        for a, b in zip(want.logprobs, out.logprobs):
+            assert abs(a.logprob - b.logprob) < 1e-5
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-seed{c[1]}")
+def test_static_decode_matches_layered_model(case, tmp_path, forced_graphs):
+    kind, seed, overrides = case
+    folder = make_checkpoint(tmp_path / "ckpt", kind, seed, **overrides)
+    prompts = _prompts(seed)
+    args = dict(page_size=4, max_total_tokens=2048, disable_fused_decode=True)
+    layered = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, GREEDY,
+                                                                          use_tqdm=False)  # fmt: skip
+    assert not forced_graphs  # --disable-cuda-graph: no runner
+    graphs = LLM(str(folder), **args).generate(prompts, GREEDY, use_tqdm=False)
+    assert len(forced_graphs) >= NEW_TOKENS - 1  # every all-decode step took the runner
+    assert max(padded for _, padded in forced_graphs) >= 1  # 3 rows in bucket 4: one padded
+    _assert_same(layered, graphs)
+
+
+def test_static_decode_with_an_fp8_kv_cache(tmp_path, forced_graphs):
+    folder = make_checkpoint(tmp_path / "ckpt", "glm", 0)
+    prompts = _prompts(0)
+    args = dict(page_size=4, max_total_tokens=2048, kv_cache_dtype="fp8_e4m3")
+    layered = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, GREEDY,
+                                                                          use_tqdm=False)  # fmt: skip
+    graphs = LLM(str(folder), **args).generate(prompts, GREEDY, use_tqdm=False)
+    assert forced_graphs
+    _assert_same(layered, graphs)
+
+
+def test_speculative_verify_runs_in_the_row_buckets(tmp_path, forced_graphs):
+    """A verify of R requests with K drafts is R * (K + 1) decode rows: a bucket of its own."""
+    folder = str(make_mtp_checkpoint(tmp_path / "ckpt", "glm", seed=3))
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(folder, max_total_tokens=4096, page_size=4, disable_cuda_graph=True)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert not forced_graphs
+    spec = LLM(folder, max_total_tokens=4096, page_size=4, speculative_algorithm="EAGLE",
+               speculative_num_steps=2)  # fmt: skip
+    assert 12 in spec.engine.runner.graphs.rows  # bucket 4 x (2 drafts + 1): 3 verifying
+    got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert max(rows for rows, _ in forced_graphs) > 3  # verify forwards: 3 rows a request
+
+
+# ---- no host synchronisation: the step on the meta device -----------------------------------
+
+
+def _meta_model(tmp_path, kind: str, seed: int) -> DsaMoeForCausalLM:
+    folder = make_checkpoint(tmp_path / "ckpt", kind, seed)
+    config = ModelConfig.from_hf(str(folder), {})
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(config).eval()
+    model.rotary.inv_freq = model.rotary.inv_freq.to("meta")
+    return model
+
+
+def _meta_runner(model, fp8: bool, rows: int) -> CudaGraphRunner:
+    config = model.config
+    pool = KVPool(config, 16, 4, len(index_cache_ids(config, False)), False, torch.float32,
+                  "meta", fp8=fp8)  # fmt: skip
+    return CudaGraphRunner(model, pool, DEFAULT_KERNELS, [rows], 64, 0, capture=False)
+
+
+def test_meta_device_refuses_host_reads() -> None:
+    """The check itself: each kind of host synchronisation raises on `meta`."""
+    x = torch.ones(4, device="meta")
+    for read in (x.sum().item, x.tolist, lambda: int(x.max()), lambda: bool(x.all()),
+                 x.nonzero, lambda: x[x > 0]):  # fmt: skip
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            read()
+
+
+@pytest.mark.parametrize("kind", ["glm", "deepseek"])
+@pytest.mark.parametrize("rows", [1, 4])  # gathered and dense expert forms
+@pytest.mark.parametrize("fp8", [False, True], ids=["float-kv", "fp8-kv"])
+def test_captured_step_has_no_host_sync(tmp_path, kind, rows, fp8):
+    runner = _meta_runner(_meta_model(tmp_path, kind, 0), fp8, rows)
+    out = runner._run(Bucket(rows, 64))  # the function a graph captures
+    assert out.device.type == "meta" and out.shape == (rows, runner.forward.__self__.model
+                                                        .config.hidden_size)  # fmt: skip
+
+
+@pytest.mark.parametrize("path", ["layered", "fused"])
+def test_todays_decode_paths_do_sync(tmp_path, path):
+    """The same batch through the layered model or FusedDecode reads routing on the host."""
+    model = _meta_model(tmp_path, "glm", 0)
+    runner = _meta_runner(model, False, 4)
+    forward = model.forward if path == "layered" else FusedDecode.build(model).forward
+    with forward_context(runner.inputs.batch(Bucket(4, 64), runner.pool, DEFAULT_KERNELS)):
+        with pytest.raises(NotImplementedError, match="meta") as raised:
+            forward()
+    assert raised.traceback[-1].path.name in ("moe.py", "_tensor.py", "_meta_registrations.py")
+    assert any(entry.path.name == "moe.py" for entry in raised.traceback)
+
+
+def test_static_decode_refuses_split_models(tmp_path) -> None:
+    model = _meta_model(tmp_path, "glm", 0)
+    assert StaticDecode.supports(model)
+    experts = model.model.layers[1].mlp.experts
+    experts.num_experts *= 2  # as if this rank held half of the experts (EP)
+    assert not StaticDecode.supports(model)
+
+
+# ---- real capture and replay (CUDA only) -----------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["glm", "deepseek"])
+def test_cuda_graph_replay_matches_eager(tmp_path, kind):
+    folder = make_checkpoint(tmp_path / "ckpt", kind, 0, index_topk=16)
+    prompts = _prompts(0)
+    args = dict(device="cuda", dtype="float32", page_size=4, max_total_tokens=4096,
+                dsa_decode_backend="torch")  # fmt: skip
+    eager = LLM(str(folder), disable_cuda_graph=True, disable_fused_decode=True, **args)
+    want = eager.generate(prompts, GREEDY, use_tqdm=False)
+    graphed = LLM(str(folder), disable_fused_decode=True, **args)
+    got = graphed.generate(prompts, GREEDY, use_tqdm=False)
+    assert graphed.engine.runner.graphs.graphs  # graphs were captured and replayed
+    _assert_same(want, got)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_with_triton_kernels_and_fp8_kv(tmp_path):
+    folder = make_checkpoint(tmp_path / "ckpt", "glm", 0, index_topk=16)
+    prompts = _prompts(0)
+    args = dict(device="cuda", dtype="bfloat16", page_size=64, max_total_tokens=8192,
+                kv_cache_dtype="fp8_e4m3")  # fmt: skip
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    want = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, params,
+                                                                       use_tqdm=False)  # fmt: skip
+    graphed = LLM(str(folder), **args)
+    got = graphed.generate(prompts, params, use_tqdm=False)
+    assert graphed.engine.runner.graphs.graphs
+    same = sum(a == b for w, g in zip(want, got) for a, b in zip(w.token_ids, g.token_ids))
+    assert same >= 0.9 * sum(len(w.token_ids) for w in want)  # bf16: rounding may flip a tie
