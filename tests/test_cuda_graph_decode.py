@@ -98,8 +98,8 @@ def test_static_decode_matches_layered_model(case, tmp_path, forced_graphs):
     folder = make_checkpoint(tmp_path / "ckpt", kind, seed, **overrides)
     prompts = _prompts(seed)
     args = dict(page_size=4, max_total_tokens=2048, disable_fused_decode=True)
-    layered = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, GREEDY,
-                                                                          use_tqdm=False)  # fmt: skip
+    eager = LLM(str(folder), disable_cuda_graph=True, **args)
+    layered = eager.generate(prompts, GREEDY, use_tqdm=False)
     assert not forced_graphs  # --disable-cuda-graph: no runner
     graphs = LLM(str(folder), **args).generate(prompts, GREEDY, use_tqdm=False)
     assert len(forced_graphs) >= NEW_TOKENS - 1  # every all-decode step took the runner
@@ -111,8 +111,8 @@ def test_static_decode_with_an_fp8_kv_cache(tmp_path, forced_graphs):
     folder = make_checkpoint(tmp_path / "ckpt", "glm", 0)
     prompts = _prompts(0)
     args = dict(page_size=4, max_total_tokens=2048, kv_cache_dtype="fp8_e4m3")
-    layered = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, GREEDY,
-                                                                          use_tqdm=False)  # fmt: skip
+    eager = LLM(str(folder), disable_cuda_graph=True, **args)
+    layered = eager.generate(prompts, GREEDY, use_tqdm=False)
     graphs = LLM(str(folder), **args).generate(prompts, GREEDY, use_tqdm=False)
     assert forced_graphs
     _assert_same(layered, graphs)
@@ -168,8 +168,8 @@ def test_meta_device_refuses_host_reads() -> None:
 def test_captured_step_has_no_host_sync(tmp_path, kind, rows, fp8):
     runner = _meta_runner(_meta_model(tmp_path, kind, 0), fp8, rows)
     out = runner._run(Bucket(rows, 64))  # the function a graph captures
-    assert out.device.type == "meta" and out.shape == (rows, runner.forward.__self__.model
-                                                        .config.hidden_size)  # fmt: skip
+    hidden = runner.forward.__self__.model.config.hidden_size
+    assert out.device.type == "meta" and out.shape == (rows, hidden)
 
 
 @pytest.mark.parametrize("path", ["layered", "fused"])
@@ -220,8 +220,8 @@ def test_cuda_graph_with_triton_kernels_and_fp8_kv(tmp_path):
     args = dict(device="cuda", dtype="bfloat16", page_size=64, max_total_tokens=8192,
                 kv_cache_dtype="fp8_e4m3")  # fmt: skip
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    want = LLM(str(folder), disable_cuda_graph=True, **args).generate(prompts, params,
-                                                                       use_tqdm=False)  # fmt: skip
+    eager = LLM(str(folder), disable_cuda_graph=True, **args)
+    want = eager.generate(prompts, params, use_tqdm=False)
     graphed = LLM(str(folder), **args)
     got = graphed.generate(prompts, params, use_tqdm=False)
     assert graphed.engine.runner.graphs.graphs
