@@ -15,7 +15,7 @@ import pytest
 import torch
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
-from triton_env import gpu
+from triton_env import gpu, needs_triton
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine import cuda_graph
@@ -105,6 +105,21 @@ def test_static_decode_matches_layered_model(case, tmp_path, forced_graphs):
     assert len(forced_graphs) >= NEW_TOKENS - 1  # every all-decode step took the runner
     assert max(padded for _, padded in forced_graphs) >= 1  # 3 rows in bucket 4: one padded
     _assert_same(layered, graphs)
+
+
+@needs_triton
+def test_static_decode_with_the_triton_moe_op(tmp_path, forced_graphs):
+    """--moe-runner-backend triton: the grouped GEMMs over the masked table (interpreter)."""
+    folder = make_checkpoint(tmp_path / "ckpt", "deepseek", 2, index_topk=16)
+    prompts = _prompts(2)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    args = dict(page_size=4, max_total_tokens=2048)
+    eager = LLM(str(folder), disable_cuda_graph=True, disable_fused_decode=True, **args)
+    layered = eager.generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(folder), moe_runner_backend="triton", **args)
+    assert llm.engine.kernels.names["moe"] == "triton"
+    _assert_same(layered, llm.generate(prompts, params, use_tqdm=False))
+    assert forced_graphs
 
 
 def test_static_decode_with_an_fp8_kv_cache(tmp_path, forced_graphs):

@@ -7,7 +7,7 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `indexer` (scores + top-k) | `--dsa-prefill-backend` / `--dsa-decode-backend` | torch, triton |
 | `sparse_mla` (selected entries, absorbed) | `--dsa-decode-backend` | torch, triton |
 | `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
-| `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch |
+| `moe` (routed-expert GEMMs, static decode path) | `--moe-runner-backend` | torch, triton |
 | `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton |
 | `sampling` | (none) | torch |
 
@@ -37,7 +37,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TRITON: "dsaserve.kernels.triton_sparse_mla:sparse_mla_decode",
     },
     "kv_store": {TORCH: "dsaserve.engine.kv_quant:KV_STORE"},
-    "moe": {TORCH: "dsaserve.layers.moe:Experts"},
+    "moe": {
+        TORCH: "dsaserve.layers.static_moe:static_experts",
+        TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
+    },
     "fp8_gemm": {
         TORCH: "dsaserve.kernels.reference:fp8_linear",
         TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",

@@ -13,8 +13,9 @@ one part swapped:
   Whether the indexer runs at all is decided by the slot table's width (a Python int), so a
   context bucket above `index_topk` always runs it: a row shorter than index_topk then selects
   its whole context plus masked picks, which is what dense attention computes.
-- the routed experts run `static_experts` (layers/static_moe.py) instead of `Experts.forward`,
-  whose grouping is done on the host.
+- the routed experts run the `moe` op (torch: `static_experts`, layers/static_moe.py; triton:
+  `grouped_experts`, kernels/triton_moe.py) instead of `Experts.forward`, whose grouping is
+  done on the host.
 
 The layers are called as modules, so FP8 Linears (`Fp8Linear`), bf16 and fp32 weights, an FP8
 KV cache and every kernel backend work unchanged. One rank only (no TP / EP / DP attention,
@@ -30,7 +31,6 @@ from torch import nn
 
 from dsaserve.engine.forward_batch import current_batch
 from dsaserve.layers.moe import MoE
-from dsaserve.layers.static_moe import static_experts
 
 
 class StaticDecode:
@@ -70,5 +70,5 @@ class StaticDecode:
         if not isinstance(mlp, MoE):
             return mlp(h)
         index, weights = mlp.gate(h)
-        out = static_experts(mlp.experts, h, index, weights)
+        out = current_batch().kernels.moe(mlp.experts, h, index, weights)  # the `moe` op
         return out + mlp.shared_experts(h) if mlp.shared_experts is not None else out

@@ -12,7 +12,8 @@ experts E) only, decided in Python before any data is seen:
   (zero where not chosen); every expert's weights are read once.
 
 Both give the layered path's result up to the order of the k-term sum (fp32: ~1e-7 relative).
-A grouped FP8 Triton GEMM would replace both on CUDA (`--moe-runner-backend`, not built yet).
+This is the torch `moe` op; `--moe-runner-backend triton` runs kernels/triton_moe.py instead
+(grouped GEMMs over a masked per-expert table: only the chosen experts' weights are read).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dsaserve.layers.moe import Experts
+from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8
 
 
 def gathered_form(tokens: int, top_k: int, experts: int) -> bool:
@@ -32,29 +34,41 @@ def static_experts(
     experts: Experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) for every row t: [T, H] in x's dtype.
-    index, weights [T, k] from the router; every expert is local (one rank, no EP)."""
+    index, weights [T, k] from the router; every expert is local (one rank, no EP). The torch
+    `moe` op (kernels/registry.py); block-FP8 expert weights are dequantised per call."""
     tokens, top_k = index.shape
-    if gathered_form(tokens, top_k, experts.gate_up_proj.shape[0]):
-        return _gathered(experts, x, index, weights)
-    return _dense(experts, x, index, weights)
+    gate_up, down = expert_weights(experts, x.dtype)
+    if gathered_form(tokens, top_k, gate_up.shape[0]):
+        return _gathered(gate_up, down, x, index, weights)
+    return _dense(gate_up, down, x, index, weights)
 
 
-def _gathered(experts: Experts, x, index, weights) -> torch.Tensor:
+def expert_weights(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [E, 2I, H] and down [E, H, I] as float (FP8 ones, with their `*_scale_inv`
+    beside them, dequantised)."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.dtype != FP8_DTYPE:
+        return gate_up, down
+    return (dequantize_block_fp8(gate_up, experts.gate_up_proj_scale_inv).to(dtype),
+            dequantize_block_fp8(down, experts.down_proj_scale_inv).to(dtype))  # fmt: skip
+
+
+def _gathered(gate_up, down, x, index, weights) -> torch.Tensor:
     tokens, top_k = index.shape
     flat = index.reshape(-1)  # [T*k]
     rows = x.repeat_interleave(top_k, dim=0)[:, None, :]  # [T*k, 1, H]
-    gate_up = experts.gate_up_proj.index_select(0, flat)  # [T*k, 2I, H]
-    gate, up = torch.bmm(rows, gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
-    down = experts.down_proj.index_select(0, flat)  # [T*k, H, I]
-    y = torch.bmm(F.silu(gate) * up, down.transpose(1, 2))[:, 0]  # [T*k, H]
+    chosen = gate_up.index_select(0, flat)  # [T*k, 2I, H]
+    gate, up = torch.bmm(rows, chosen.transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
+    chosen = down.index_select(0, flat)  # [T*k, H, I]
+    y = torch.bmm(F.silu(gate) * up, chosen.transpose(1, 2))[:, 0]  # [T*k, H]
     y = y.view(tokens, top_k, -1) * weights.to(y.dtype)[..., None]
     return y.sum(dim=1).to(x.dtype)
 
 
-def _dense(experts: Experts, x, index, weights) -> torch.Tensor:
-    count = experts.gate_up_proj.shape[0]
+def _dense(gate_up, down, x, index, weights) -> torch.Tensor:
+    count = gate_up.shape[0]
     dense = x.new_zeros(x.shape[0], count).scatter_(1, index, weights.to(x.dtype))  # [T, E]
     rows = x.expand(count, -1, -1)  # [E, T, H] (a view)
-    gate, up = torch.bmm(rows, experts.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
-    y = torch.bmm(F.silu(gate) * up, experts.down_proj.transpose(1, 2))  # [E, T, H]
+    gate, up = torch.bmm(rows, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(gate) * up, down.transpose(1, 2))  # [E, T, H]
     return torch.einsum("te,eth->th", dense, y)

@@ -1,0 +1,157 @@
+"""Triton: routed experts as grouped GEMMs over a per-expert assignment table (the `moe` op).
+
+Two layouts of the T*k routing assignments (token t's j-th expert is assignment t*k + j):
+
+- **masked** (decode, and what a CUDA graph captures): a table [E, T] holding, per expert, its
+  assignment ids in its first `counts[e]` entries (DeepGEMM's `m_grouped_fp8_gemm_nt_masked`
+  layout). Shapes depend on (T, k, E) only and the table is built with scatters and cumsums,
+  so nothing syncs with the host. A program owns (expert, BLOCK_M rows, BLOCK_N columns) and
+  returns at once past its expert's count: idle experts' weights are never read.
+- **contiguous** (prefill): the assignments sorted by expert, each expert's run padded to
+  BLOCK_M, one expert id per row block (vLLM / SGLang's `moe_align_block_size` layout). Built on
+  the host (it sizes the grid from the counts), so not for capture.
+
+One kernel serves both: it reads its block's expert and row ids from memory. Rows are gathered
+from the activation by assignment id // row_div (the token for gate_up, the assignment for down)
+and written at their assignment id, so the two GEMMs chain without a permute. Weights are
+block-FP8 (e4m3 [E, N, K] with fp32 [E, N/128, K/128] scales; activations quantised per token and
+128 columns, as `triton_fp8_gemm`) or float (fp32 dots, `ieee`: the interpreter's bf16 dot is
+wrong). Tests: tests/test_triton_moe.py against the torch reference under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.triton_fp8_gemm import act_quant
+
+FP8 = torch.float8_e4m3fn
+BLOCK = 128  # N and K tile: one FP8 scale block
+
+
+class Layout(NamedTuple):
+    """Which rows each program block takes: `rows` [blocks * BLOCK_M] assignment ids (-1 unused)
+    and `experts` [blocks] the expert of each block (masked: experts[b] = b // row_blocks)."""
+
+    rows: torch.Tensor
+    experts: torch.Tensor
+    block_m: int
+
+
+def masked_layout(index: torch.Tensor, num_experts: int, block_m: int = 16) -> Layout:
+    """Per expert, its assignment ids padded to T (a multiple of block_m): no host sync."""
+    tokens, top_k = index.shape
+    flat = index.reshape(-1)
+    cap = -(-tokens // block_m) * block_m  # an expert appears at most once per token
+    hits = torch.zeros(flat.shape[0], num_experts, dtype=torch.int32, device=index.device)
+    hits.scatter_(1, flat[:, None], 1)
+    slot = (hits.cumsum(0).gather(1, flat[:, None])[:, 0] - 1).long()  # rank within its expert
+    table = torch.full((num_experts, cap), -1, dtype=torch.long, device=index.device)
+    table[flat, slot] = torch.arange(flat.shape[0], device=index.device)
+    blocks = torch.arange(num_experts * (cap // block_m), device=index.device) // (cap // block_m)
+    return Layout(table.reshape(-1), blocks, block_m)
+
+
+def contiguous_layout(index: torch.Tensor, num_experts: int, block_m: int = 64) -> Layout:
+    """Assignments sorted by expert, each expert's run padded to block_m (sizes from the host)."""
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows, experts, start = [], [], 0
+    for expert, count in enumerate(counts):
+        padded = -(-count // block_m) * block_m
+        run = torch.full((padded,), -1, dtype=torch.long, device=index.device)
+        run[:count] = order[start : start + count]
+        rows.append(run)
+        experts += [expert] * (padded // block_m)
+        start += count
+    experts_t = torch.tensor(experts, dtype=torch.long, device=index.device)
+    return Layout(torch.cat(rows), experts_t, block_m)
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, rows_ptr, experts_ptr,
+    N, K, KB, NB, row_div,
+    IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    block = tl.program_id(0)
+    nb = tl.program_id(1)
+    ms = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(rows_ptr + ms)
+    if tl.max(assign, axis=0) >= 0:  # a block of padding only (an idle expert) reads nothing
+        in_m = assign >= 0
+        arow = tl.where(in_m, assign // row_div, 0)
+        expert = tl.load(experts_ptr + block).to(tl.int64)
+        rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert * N * K
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(0, KB):
+            ks = kb * BLOCK_K + rk
+            a = tl.load(a_ptr + arow[:, None] * K + ks[None, :],
+                        mask=in_m[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
+            w = tl.load(w_base + rn[:, None] * K + ks[None, :],
+                        mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)  # fmt: skip
+            if IS_FP8:
+                a_scale = tl.load(as_ptr + arow * KB + kb, mask=in_m, other=0.0)
+                w_scale = tl.load(ws_ptr + expert * NB * KB + nb * KB + kb)
+                acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale
+            else:
+                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
+                              input_precision="ieee")  # fmt: skip
+        tl.store(out_ptr + assign[:, None] * N + rn[None, :], acc,
+                 mask=in_m[:, None] & (rn[None, :] < N))  # fmt: skip
+
+
+def grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, layout: Layout,
+    assignments: int, row_div: int,
+) -> torch.Tensor:  # fmt: skip
+    """out[i] = a[i // row_div] @ w[expert of i]^T for every assignment i: [assignments, N] fp32.
+    a [rows, K] float; w [E, N, K] e4m3 (with w_scale [E, N/128, K/128]) or float."""
+    _, n, k = w.shape
+    out = torch.zeros(assignments, n, dtype=torch.float32, device=a.device)
+    fp8 = w.dtype == FP8
+    if fp8:
+        a, a_scale = act_quant(a)
+        w_scale = w_scale.float().contiguous()
+    else:
+        a, a_scale, w_scale = a.contiguous(), a, w  # the scale pointers go unused
+    grid = (layout.experts.shape[0], triton.cdiv(n, BLOCK))
+    _grouped_kernel[grid](
+        a, a_scale, w.contiguous(), w_scale, out, layout.rows, layout.experts,
+        n, k, triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK), row_div,
+        IS_FP8=fp8, BLOCK_M=layout.block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
+    )  # fmt: skip
+    return out
+
+
+def expert_scales(experts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The block scales of FP8 expert weights (`gate_up_proj_scale_inv`, `down_proj_scale_inv`
+    parameters set beside them), or (None, None) for float weights."""
+    if experts.gate_up_proj.dtype != FP8:
+        return None, None
+    return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
+
+
+def grouped_experts(experts, x, index, weights, layout: str = "masked") -> torch.Tensor:
+    """The `moe` op: sum_j weights[t, j] * expert_{index[t, j]}(x[t]) -> [T, H] in x's dtype.
+    `masked` (no host sync, capturable) or `contiguous` (prefill-sized batches)."""
+    tokens, top_k = index.shape
+    count = experts.gate_up_proj.shape[0]
+    build = masked_layout if layout == "masked" else contiguous_layout
+    plan = build(index, count)
+    gate_scale, down_scale = expert_scales(experts)
+    assignments = tokens * top_k
+    gate_up = grouped_gemm(x, experts.gate_up_proj, gate_scale, plan, assignments, top_k)
+    gate, up = gate_up.chunk(2, dim=-1)  # [T*k, I] each
+    hidden = (F.silu(gate) * up).to(x.dtype)
+    y = grouped_gemm(hidden, experts.down_proj, down_scale, plan, assignments, 1)  # [T*k, H]
+    y = y.view(tokens, top_k, -1) * weights.float()[..., None]
+    return y.sum(dim=1).to(x.dtype)

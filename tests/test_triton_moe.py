@@ -1,0 +1,146 @@
+"""The Triton grouped-expert GEMMs (kernels/triton_moe.py) against the torch `moe` op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from triton_env import DEVICE, gpu, needs_triton
+
+from dsaserve.layers.static_moe import static_experts
+from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+
+pytestmark = needs_triton
+
+SHAPES = [(5, 3, 8, 64, 32), (1, 2, 8, 96, 48), (20, 4, 6, 128, 160)]  # T, k, E, H, I
+
+
+class FakeExperts(nn.Module):
+    """What the op reads of an `Experts`: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+
+
+def _routing(tokens: int, top_k: int, experts: int, g: torch.Generator):
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    return index.to(DEVICE), weights.to(DEVICE)
+
+
+def _float_experts(e: int, h: int, i: int, g: torch.Generator) -> FakeExperts:
+    return FakeExperts((torch.randn(e, 2 * i, h, generator=g) * h**-0.5).to(DEVICE),
+                       (torch.randn(e, h, i, generator=g) * i**-0.5).to(DEVICE))  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_masked_layout_lists_each_assignment_once(shape) -> None:
+    from dsaserve.kernels.triton_moe import masked_layout
+
+    tokens, top_k, experts, _, _ = shape
+    index, _ = _routing(tokens, top_k, experts, torch.Generator().manual_seed(0))
+    layout = masked_layout(index, experts)
+    table = layout.rows.view(experts, -1)
+    for e in range(experts):
+        listed = table[e][table[e] >= 0]
+        want = (index.flatten() == e).nonzero()[:, 0]
+        assert listed.tolist() == want.tolist()  # in assignment order, padded after
+        assert (table[e][len(listed) :] == -1).all()
+    per_expert = table.shape[1] // 16  # row blocks of each expert
+    assert layout.experts.tolist() == [b // per_expert for b in range(len(layout.experts))]
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_experts_float_matches_torch(shape, layout) -> None:
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    tokens, top_k, e, h, i = shape
+    g = torch.Generator().manual_seed(tokens)
+    experts = _float_experts(e, h, i, g)
+    x = torch.randn(tokens, h, generator=g).to(DEVICE)
+    index, weights = _routing(tokens, top_k, e, g)
+    want = static_experts(experts, x, index, weights)
+    # idle experts' weights are never used: poison them
+    idle = torch.ones(e, dtype=torch.bool)
+    idle[index.flatten().cpu()] = False
+    experts.gate_up_proj[idle.to(DEVICE)] = float("nan")
+    experts.down_proj[idle.to(DEVICE)] = float("nan")
+    got = grouped_experts(experts, x, index, weights, layout)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _quantised_reference(x, index, weights, gate_up8, gate_scale, down8, down_scale):
+    """The FP8 op's exact math in fp64: both operands of each GEMM quantised, then dequantised."""
+    from dsaserve.kernels.triton_fp8_gemm import act_quant
+
+    def dq_act(a):
+        a8, scale = act_quant(a)
+        return a8.double() * scale.double().repeat_interleave(128, 1)[:, : a.shape[1]]
+
+    gate_up = dequantize_block_fp8(gate_up8, gate_scale).double()
+    down = dequantize_block_fp8(down8, down_scale).double()
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    a = dq_act(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = index[t, j]
+            gate, up = (a[t] @ gate_up[e].T).chunk(2)
+            h = dq_act((F.silu(gate) * up).float()[None])[0]
+            out[t] += weights[t, j].double() * (h @ down[e].T)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_grouped_experts_block_fp8(layout) -> None:
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    tokens, top_k, e, h, i = 6, 3, 8, 256, 160  # partial scale blocks along I
+    g = torch.Generator().manual_seed(1)
+    gate_up8, gate_scale = quantize_block_fp8(torch.randn(e, 2 * i, h, generator=g) * 0.1)
+    down8, down_scale = quantize_block_fp8(torch.randn(e, h, i, generator=g) * 0.1)
+    experts = FakeExperts(gate_up8.to(DEVICE), down8.to(DEVICE))
+    experts.gate_up_proj_scale_inv = nn.Parameter(gate_scale.to(DEVICE), requires_grad=False)
+    experts.down_proj_scale_inv = nn.Parameter(down_scale.to(DEVICE), requires_grad=False)
+    x = torch.randn(tokens, h, generator=g).to(DEVICE)
+    index, weights = _routing(tokens, top_k, e, g)
+    got = grouped_experts(experts, x, index, weights, layout)
+    want = _quantised_reference(x, index, weights, *(t.to(DEVICE) for t in (
+        gate_up8, gate_scale, down8, down_scale)))  # fmt: skip
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-4
+    # and the torch op (dequantised weights, unquantised activations): e4m3 activation error
+    ref = static_experts(experts, x, index, weights)
+    assert ((got - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_masked_layout_needs_no_host_read() -> None:
+    from dsaserve.kernels.triton_moe import contiguous_layout, masked_layout
+
+    index = torch.empty(4, 3, dtype=torch.long, device="meta")
+    layout = masked_layout(index, 8)
+    assert layout.rows.shape == (8 * 16,) and layout.experts.shape == (8,)
+    with pytest.raises(NotImplementedError):
+        contiguous_layout(index, 8)  # sized from the counts: prefill only
+
+
+@pytest.mark.gpu
+@gpu
+def test_grouped_experts_at_glm_tp8_shapes() -> None:
+    """256 experts with an eighth of each (I = 256), hidden 6144, top-8, batch 32."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    g = torch.Generator().manual_seed(0)
+    e, h, i, tokens = 256, 6144, 256, 32
+    gate_up8, gate_scale = quantize_block_fp8(torch.randn(e, 2 * i, h, generator=g) * 0.02)
+    down8, down_scale = quantize_block_fp8(torch.randn(e, h, i, generator=g) * 0.02)
+    experts = FakeExperts(gate_up8.cuda(), down8.cuda())
+    experts.gate_up_proj_scale_inv = nn.Parameter(gate_scale.cuda(), requires_grad=False)
+    experts.down_proj_scale_inv = nn.Parameter(down_scale.cuda(), requires_grad=False)
+    x = torch.randn(tokens, h, generator=g).cuda().bfloat16()
+    index, weights = _routing(tokens, 8, e, g)
+    got = grouped_experts(experts, x, index.cuda(), weights.cuda())
+    ref = static_experts(experts, x.float(), index.cuda(), weights.cuda())
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 0.05
