@@ -7,10 +7,15 @@ step time of a 78-layer TP8-rank slice with random FP8 weights against the HBM b
 Part 1 runs each Triton kernel (indexer scores + earliest-wins top-k at contexts 8k and 32k,
 sparse MLA decode over index_topk 2048 entries with 8 heads a rank from bf16 and FP8 caches, the
 block-FP8 GEMM at the rank's Linear shapes, the MoE slices as TP8 (256 experts, 1/8 of each) and
-EP8 (32 whole experts)) against the torch reference. Part 2 times one decode step of a synthetic
-rank slice built from the same kernels (FP8 Linears, FP8 KV cache, routed experts as one FP8
-GEMM pair per touched expert) under a CUDA graph at batch 1, 8, 32, 64, and divides by the
-bytes-moved floor at the measured copy bandwidth. It prints a table and writes JSON.
+EP8 (32 whole experts), the grouped FP8 expert GEMMs in both layouts) against the torch
+reference. Part 2 builds the engine's own model classes as one TP8 rank's slice (8 heads, every
+expert's eighth; 78 layers; random block-FP8 Linears and experts, bf16 elsewhere, FP8 KV cache)
+and times one decode step through the engine's CUDA-graph runner (dsaserve/engine/cuda_graph.py:
+the static decode forward captured once per batch, replayed) at batch 1, 8, 32, 64, over every
+Triton kernel (indexer, sparse MLA, block-FP8 GEMM, grouped masked MoE), and divides by the
+bytes-moved floor at the measured copy bandwidth. It prints a table and writes JSON. One routed
+expert set is shared by the MoE layers (75 would not fit beside the KV; each layer still reads
+its experts' bytes from HBM).
 """
 
 from __future__ import annotations

@@ -1,18 +1,28 @@
-"""The torch / Triton half of bench/gpu_check.py: kernel checks and the timed decode slice."""
+"""The torch / Triton half of bench/gpu_check.py: kernel checks, and the decode step of a random
+FP8 rank slice (the engine's model classes) timed through the engine's CUDA-graph runner."""
 
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
+from dsaserve.engine.cuda_graph import CudaGraphRunner
+from dsaserve.engine.forward_batch import ForwardBatch
+from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.kv_quant import KV_STORE, quantize_entry, quantize_key
 from dsaserve.kernels import reference
 from dsaserve.kernels import triton_fp8_gemm as gemm
+from dsaserve.kernels.fp8_linear import keep_fp8
+from dsaserve.kernels.registry import Kernels
 from dsaserve.kernels.triton_indexer import indexer_decode_topk, indexer_scores
 from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.layers.moe import MoE, Router
+from dsaserve.layers.static_moe import static_experts
+from dsaserve.model_config import ModelConfig
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
+from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, scale_shape
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -83,6 +93,55 @@ def check_gemm(name: str, n: int, k: int, m: int) -> dict:
                   _rel(got, a @ dequantize_block_fp8(w8, scale).T), 1e-4)  # fmt: skip
 
 
+def check_moe(name: str, r, tokens: int) -> list[dict]:
+    """The grouped FP8 expert GEMMs (masked and contiguous layouts) against the torch op over
+    the dequantised weights (activations unquantised there: e4m3 error) and each other."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    g = _gen(r.experts + tokens)
+    experts = nn.Module()
+    for weight, shape in (("gate_up_proj", (2 * r.expert_inter, r.hidden)),
+                          ("down_proj", (r.hidden, r.expert_inter))):  # fmt: skip
+        w8, scale = quantize_block_fp8(torch.randn(r.experts, *shape, device=DEVICE, generator=g))
+        setattr(experts, weight, nn.Parameter(w8, requires_grad=False))
+        setattr(experts, f"{weight}_scale_inv", nn.Parameter(scale * 0.02, requires_grad=False))
+    x = torch.randn(tokens, r.hidden, device=DEVICE, generator=g)
+    top_k = min(8, r.experts)
+    scores = torch.rand(tokens, r.experts, device=DEVICE, generator=g)
+    index = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=DEVICE, generator=g)
+    masked = grouped_experts(experts, x, index, weights, "masked").float()
+    contiguous = grouped_experts(experts, x, index, weights, "contiguous").float()
+    exact = _quantised_experts(experts, x, index, weights)
+    loose = static_experts(experts, x, index, weights)
+    label = f"{name} grouped FP8 experts ({r.experts} x {r.expert_inter}) batch {tokens}"
+    # 1e-3, not 1e-5: the hidden activation is re-quantised between the GEMMs, and a value a
+    # rounding away from an e4m3 boundary flips by 1/16 when the sum order differs
+    return [_check(f"{label} vs quantised torch", _rel(masked, exact), 1e-3),
+            _check(f"{label} contiguous vs quantised torch", _rel(contiguous, exact), 1e-3),
+            _check(f"{label} vs unquantised activations", _rel(masked, loose), 0.1)]  # fmt: skip
+
+
+def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
+    """The FP8 op's math in torch, expert by expert: activations quantised per token and 128
+    columns before each GEMM, weights dequantised."""
+
+    def dq(a: torch.Tensor) -> torch.Tensor:
+        a8, scale = gemm.act_quant(a)
+        return a8.float() * scale.repeat_interleave(128, 1)[:, : a.shape[1]]
+
+    out = torch.zeros_like(x)
+    a = dq(x)
+    for e in index.unique().tolist():
+        token, slot = (index == e).nonzero(as_tuple=True)
+        w1 = dequantize_block_fp8(experts.gate_up_proj[e], experts.gate_up_proj_scale_inv[e])
+        w2 = dequantize_block_fp8(experts.down_proj[e], experts.down_proj_scale_inv[e])
+        gate, up = (a[token] @ w1.T).chunk(2, dim=-1)
+        y = dq(torch.nn.functional.silu(gate) * up) @ w2.T
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
 def run_checks(shapes: dict, contexts: list[int]) -> list[dict]:
     from gpu_check import linear_shapes
 
@@ -93,6 +152,7 @@ def run_checks(shapes: dict, contexts: list[int]) -> list[dict]:
     for moe, r in shapes.items():
         checks.append(check_gemm(f"{moe} expert gate_up", 2 * r.expert_inter, r.hidden, 8))
         checks.append(check_gemm(f"{moe} expert down", r.hidden, r.expert_inter, 8))
+        checks += [c for tokens in (1, 32) for c in check_moe(moe, r, tokens)]
     return checks
 
 
@@ -115,105 +175,129 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _fp8(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random e4m3 bytes (no NaN patterns) and unit-ish scales, made on the device."""
-    raw = torch.randint(0, 256, (n, k), dtype=torch.uint8, device=DEVICE) & 0xB7
-    scale = torch.full((-(-n // 128), -(-k // 128)), 1e-2, device=DEVICE)
-    return raw.view(torch.float8_e4m3fn), scale
+def rank_config(s) -> ModelConfig:
+    """The ModelConfig of one TP rank's slice of the model as a one-rank model: its heads, its
+    slice of every expert (TP) or its whole experts (EP), FP8-quantised."""
+    raw = dict(
+        model_type="glm_moe_dsa", vocab_size=max(s.vocab // 8, 64), hidden_size=s.hidden,
+        intermediate_size=s.dense_inter, moe_intermediate_size=s.expert_inter,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, q_lora_rank=s.q_lora,
+        kv_lora_rank=s.rank, qk_nope_head_dim=s.nope, qk_rope_head_dim=s.rope,
+        v_head_dim=s.v_dim, n_routed_experts=s.experts, num_experts_per_tok=min(8, s.experts),
+        n_shared_experts=max(s.shared_inter // s.expert_inter, 1),
+        first_k_dense_replace=s.dense_layers, index_topk=s.index_topk,
+        index_n_heads=s.index_heads, index_head_dim=s.index_dim, rope_theta=8e6,
+        max_position_embeddings=202752, quantization_config={"quant_method": "fp8"},
+    )  # fmt: skip
+    return ModelConfig._from_dict("gpu_check", raw)
 
 
-class Slice:
-    """One decode step of a rank: FP8 Linears, FP8 KV (one cache all layers share: the same
-    bytes a layer reads, a fraction of the memory), routed experts as one GEMM pair per expert
-    the batch is expected to touch (routing is computed; its result only weights the output)."""
+def _fill(name: str, p: torch.Tensor) -> None:
+    """Random weights of a plausible scale: e4m3 bytes without NaN patterns, 1e-2 block scales,
+    unit norms, N(0, 0.02) elsewhere."""
+    if p.dtype == FP8_DTYPE:
+        p.view(torch.uint8).random_(0, 256).bitwise_and_(0xB7)
+    elif name.endswith("scale_inv"):
+        p.fill_(1e-2)
+    elif p.dim() == 1:
+        p.fill_(1.0 if "norm" in name else 0.0)
+    else:
+        p.normal_(0, 0.02)
 
-    def __init__(self, s, batch: int, context: int) -> None:
-        from gpu_check import experts_touched, linear_shapes
 
-        self.s, self.batch = s, batch
-        self.layers = [{name: _fp8(*shape) for name, shape in linear_shapes(s).items()}
-                       for _ in range(s.layers)]  # fmt: skip
-        absorbed = s.heads * (s.nope + s.v_dim) * s.rank
-        self.kv_b = torch.randn(s.layers, absorbed, device=DEVICE, dtype=torch.bfloat16) * 0.02
-        touched = min(round(experts_touched(batch)), s.experts)
-        self.experts = [
-            [
-                (_fp8(2 * s.expert_inter, s.hidden), _fp8(s.hidden, s.expert_inter))
-                for _ in range(touched)
-            ]
-            for _ in range(s.layers - s.dense_layers)
-        ]
-        self.router = torch.randn(256, s.hidden, device=DEVICE) * 0.01
-        slots = batch * context
-        self.kv = quantize_entry(torch.randn(slots, s.rank + s.rope, device=DEVICE), s.rank)
-        self.keys = quantize_key(torch.randn(slots, s.index_dim, device=DEVICE))
-        self.table = torch.arange(slots, device=DEVICE).view(batch, context)
-        self.valid = torch.ones(batch, context, dtype=torch.bool, device=DEVICE)
-        self.out_slots = self.table[:, -1].contiguous()
-        self.x = torch.randn(batch, s.hidden, device=DEVICE, dtype=torch.bfloat16)
+def _fp8_experts(experts: nn.Module) -> None:
+    """Hold the routed experts as block-FP8 (e4m3 + 128x128 scales) on the meta device."""
+    for name in ("gate_up_proj", "down_proj"):
+        shape = getattr(experts, name).shape
+        setattr(experts, name, nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device="meta"),
+                                            requires_grad=False))  # fmt: skip
+        scale = torch.empty(scale_shape(shape), dtype=torch.float32, device="meta")
+        setattr(experts, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
 
-    def step(self) -> torch.Tensor:
-        s, x, b = self.s, self.x, self.batch
-        lin = lambda inp, w: gemm.fp8_linear(inp, *w)  # noqa: E731
-        for i, w in enumerate(self.layers):
-            h = F.rms_norm(x, (s.hidden,))
-            qa = lin(h, w["q_a_proj"])
-            q = lin(qa, w["q_b_proj"]).view(b, s.heads, s.nope + s.rope)
-            kv_b = self.kv_b[i].view(s.heads, s.nope + s.v_dim, s.rank)
-            q_lat = torch.einsum("bhd,hdr->bhr", q[..., : s.nope], kv_b[:, : s.nope])
-            q_full = torch.cat([q_lat, q[..., s.nope :]], -1)
-            KV_STORE.write_entry(self.kv, self.out_slots, lin(h, w["kv_a_proj_with_mqa"]), s.rank)
-            iq = lin(qa, w["indexer.wq_b"]).view(b, s.index_heads, s.index_dim).float()
-            KV_STORE.write_key(self.keys, self.out_slots, lin(h, w["indexer.wk"]))
-            weights = torch.ones(b, s.index_heads, device=DEVICE)
-            picks = indexer_decode_topk(iq, weights, self.keys, self.table, self.valid,
-                                        min(s.index_topk, self.table.shape[1]))  # fmt: skip
-            sel, allowed = self.table.gather(1, picks), self.valid.gather(1, picks)
-            o = sparse_mla_decode(q_full, self.kv, sel, allowed, s.rank, 0.1)
-            o = torch.einsum("bhr,hvr->bhv", o, kv_b[:, s.nope :]).reshape(b, -1)
-            x = x + lin(o, w["o_proj"])
-            if i >= s.dense_layers:
-                x = x + self._moe(F.rms_norm(x, (s.hidden,)), self.experts[i - s.dense_layers])
-        return x
 
-    def _moe(self, h: torch.Tensor, experts) -> torch.Tensor:
-        scores = F.linear(h.float(), self.router).sigmoid()
-        gate = scores.topk(8, dim=-1).values.sum(-1, keepdim=True).to(h.dtype)
-        out = torch.zeros_like(h)
-        for up, down in experts:
-            g, u = gemm.fp8_linear(h, *up).chunk(2, dim=-1)
-            out = out + gemm.fp8_linear(F.silu(g) * u, *down)
-        return out * gate / max(len(experts), 1)
+def _to_bf16(model: nn.Module) -> None:
+    """The checkpoint's unquantised weights in bf16 (the router and the FP8 scales stay fp32;
+    `Module.to` would cast the e4m3 weights too)."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            continue
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.dtype == torch.float32 and not name.endswith("scale_inv"):
+                module._parameters[name] = nn.Parameter(p.to(torch.bfloat16), requires_grad=False)
+
+
+def rank_model(s, kernels: Kernels) -> DsaMoeForCausalLM:
+    """A random FP8 rank slice: every quantised Linear an Fp8Linear, the routed experts FP8 and
+    one set shared by every MoE layer (each layer still reads its bytes from HBM: 1.2 GB at
+    GLM-5.3's TP8 shapes is far beyond any cache; 75 sets would not fit beside the KV)."""
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(rank_config(s))
+    keep_fp8(model, kernels.fp8_gemm)
+    moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    if kernels.names["moe"] == "triton":
+        _fp8_experts(moe[0].experts)
+    for block in moe[1:]:
+        block.experts = moe[0].experts
+    _to_bf16(model)
+    model.to_empty(device=DEVICE).eval().requires_grad_(False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            _fill(name, p)
+        for buffer in model.buffers():
+            buffer.zero_()
+    model.rotary.inv_freq = model.rotary.inv_freq.to(DEVICE)
+    return model
+
+
+def decode_batch(model, pool: KVPool, kernels: Kernels, batch: int, context: int):
+    """Every row at position context - 1 over its own `context` slots (the last one its new)."""
+    table = torch.arange(batch * context, device=DEVICE).view(batch, context)
+    rows = torch.arange(batch, device=DEVICE)
+    vocab = model.config.vocab_size
+    return ForwardBatch(
+        input_ids=torch.randint(0, vocab, (batch,), device=DEVICE),
+        positions=torch.full((batch,), context - 1, device=DEVICE), out_slots=table[:, -1],
+        extends=[], decode_rows=rows, decode_slots=table,
+        decode_valid=torch.ones(batch, context, dtype=torch.bool, device=DEVICE),
+        logits_rows=rows, kv_cache=pool.kv_cache, index_cache=pool.index_cache, kernels=kernels,
+    )  # fmt: skip
+
+
+def triton_kernels() -> Kernels:
+    names = {op: "triton" for op in ("indexer", "sparse_mla", "moe", "fp8_gemm")}
+    return Kernels({**names, "kv_store": "torch", "sampling": "torch"})
+
+
+def time_step(model, kernels: Kernels, batch: int, context: int, iters: int) -> dict:
+    """One decode step of `batch` rows through the engine's CUDA-graph runner (captured on
+    CUDA; on CPU the same static step runs eagerly)."""
+    config = model.config
+    page = 64
+    pages = -(-batch * context // page) + 1  # + the scratch page of the padded rows
+    pool = KVPool(config, pages, page, len(index_cache_ids(config, False)), False,
+                  torch.bfloat16, DEVICE, fp8=True)  # fmt: skip
+    capture = DEVICE.type == "cuda"
+    scratch = (pages - 1) * page
+    runner = CudaGraphRunner(model, pool, kernels, [batch], context, scratch, capture)
+    step = decode_batch(model, pool, kernels, batch, context)
+    started = time.perf_counter()
+    runner(step)  # capture (Triton compiles in the warm-up)
+    _sync()
+    capture_s = time.perf_counter() - started
+    start = time.perf_counter()
+    for _ in range(iters):
+        runner(step)
+    _sync()
+    row = {"batch": batch, "step_ms": (time.perf_counter() - start) / iters * 1e3,
+           "cuda_graph": capture, "capture_s": capture_s}  # fmt: skip
+    del runner, pool, step
+    if capture:
+        torch.cuda.empty_cache()
+    return row
 
 
 def run_timing(s, batches: list[int], context: int, iters: int) -> tuple[float, list[dict]]:
     bandwidth = copy_bandwidth()
-    rows = []
-    for batch in batches:
-        model = Slice(s, batch, context)
-        model.step()  # compile the kernels
-        _sync()
-        if DEVICE.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                model.step()
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                model.step()
-            run = graph.replay
-        else:
-            run = model.step
-        run()
-        _sync()
-        start = time.perf_counter()
-        for _ in range(iters):
-            run()
-        _sync()
-        rows.append({"batch": batch, "step_ms": (time.perf_counter() - start) / iters * 1e3,
-                     "cuda_graph": DEVICE.type == "cuda"})  # fmt: skip
-        del model
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
-    return bandwidth, rows
+    kernels = triton_kernels()
+    model = rank_model(s, kernels)
+    return bandwidth, [time_step(model, kernels, b, context, iters) for b in batches]

@@ -65,6 +65,7 @@ def test_the_script_runs_end_to_end_at_toy_shapes(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert report["checks"] and all(c["ok"] for c in report["checks"])
     assert report["decode"][0]["batch"] == 1 and report["decode"][0]["floor_ms"] > 0
+    assert report["decode"][0]["cuda_graph"] is torch.cuda.is_available()  # the graph runner
 
 
 @pytest.mark.gpu

@@ -110,7 +110,9 @@ def test_grouped_experts_block_fp8(layout) -> None:
     got = grouped_experts(experts, x, index, weights, layout)
     want = _quantised_reference(x, index, weights, *(t.to(DEVICE) for t in (
         gate_up8, gate_scale, down8, down_scale)))  # fmt: skip
-    assert ((got.double() - want).norm() / want.norm()).item() < 1e-4
+    # the hidden activation is re-quantised between the GEMMs: a value next to an e4m3 rounding
+    # boundary may flip by 1/16 when the fp32 sum order differs, hence 1e-3 and not 1e-5
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-3
     # and the torch op (dequantised weights, unquantised activations): e4m3 activation error
     ref = static_experts(experts, x, index, weights)
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
