@@ -178,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         report["decode"] = rows
         print(f"copy bandwidth {report['bandwidth'] / 1e12:.2f} TB/s, context {context}")
         print(table(rows))
+        replays = [row.pop("replay_check") for row in rows]
+        for check in replays:
+            print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['error']:.2e}")
+        report["checks"] += replays
+        failed += [c for c in replays if not c["ok"]]
     report["wall_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0

@@ -289,11 +289,26 @@ def time_step(model, kernels: Kernels, batch: int, context: int, iters: int) -> 
         runner(step)
     _sync()
     row = {"batch": batch, "step_ms": (time.perf_counter() - start) / iters * 1e3,
-           "cuda_graph": capture, "capture_s": capture_s}  # fmt: skip
+           "cuda_graph": capture, "capture_s": capture_s,
+           "replay_check": _replay_check(runner, step)}  # fmt: skip
     del runner, pool, step
     if capture:
         torch.cuda.empty_cache()
     return row
+
+
+def _replay_check(runner: CudaGraphRunner, step: ForwardBatch) -> dict:
+    """The graph's output against the same static step run eagerly on the same inputs (the KV
+    writes are the same values both times); the hidden states must be finite."""
+    bucket = runner.bucket(step)
+    replayed = runner(step)
+    runner.inputs.load(bucket, step)
+    eager = runner._run(bucket)[: replayed.shape[0]]
+    _sync()
+    finite = bool(replayed.isfinite().all())
+    error = _rel(replayed.float(), eager.float()) if finite else float("inf")
+    name = f"decode step {'graph replay' if runner.capture else 'static'} vs eager, batch "
+    return _check(name + str(replayed.shape[0]), error, 1e-3)
 
 
 def run_timing(s, batches: list[int], context: int, iters: int) -> tuple[float, list[dict]]:
