@@ -101,8 +101,10 @@ def test_static_decode_matches_layered_model(case, tmp_path, forced_graphs):
     eager = LLM(str(folder), disable_cuda_graph=True, **args)
     layered = eager.generate(prompts, GREEDY, use_tqdm=False)
     assert not forced_graphs  # --disable-cuda-graph: no runner
-    graphs = LLM(str(folder), **args).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(str(folder), **args)
+    graphs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert len(forced_graphs) >= NEW_TOKENS - 1  # every all-decode step took the runner
+    assert llm.engine.stats()["cuda_graph"]["steps"] == len(forced_graphs)
     assert max(padded for _, padded in forced_graphs) >= 1  # 3 rows in bucket 4: one padded
     _assert_same(layered, graphs)
 

@@ -134,6 +134,7 @@ class CudaGraphRunner:
         self.inputs = StaticInputs(rows[-1], entries, scratch, device)
         self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0
 
     @classmethod
     def build(cls, model: nn.Module, pool: KVPool, kernels: Kernels, max_bs: int | None,
@@ -166,12 +167,18 @@ class CudaGraphRunner:
     def accepts(self, batch: ForwardBatch) -> bool:
         return self.bucket(batch) is not None
 
+    def stats(self) -> dict:
+        """For /get_server_info: the largest bucket, graphs captured, steps run through them."""
+        return {"max_rows": self.rows[-1], "max_context": self.contexts[-1],
+                "captured": len(self.graphs), "steps": self.steps}  # fmt: skip
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, H] of the batch's rows (a copy: the graph's output is reused)."""
         bucket = self.bucket(batch)
         if bucket is None:
             raise ValueError("this batch fits no CUDA-graph bucket; check accepts() first")
         rows = batch.input_ids.shape[0]
+        self.steps += 1
         if not self.capture:
             self.inputs.load(bucket, batch)
             return self._run(bucket)[:rows].clone()

@@ -428,6 +428,7 @@ class Engine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kernel_backends": dict(self.kernels.names),
             "fp8_linears_kept": self.fp8_linears,
+            "cuda_graph": self.graphs.stats() if self.graphs is not None else None,
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,
             **self.stats_counters,
