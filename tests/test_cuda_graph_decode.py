@@ -220,7 +220,7 @@ def test_cuda_graph_replay_matches_eager(tmp_path, kind):
     folder = make_checkpoint(tmp_path / "ckpt", kind, 0, index_topk=16)
     prompts = _prompts(0)
     args = dict(device="cuda", dtype="float32", page_size=4, max_total_tokens=4096,
-                dsa_decode_backend="torch")  # fmt: skip
+                dsa_decode_backend="torch", moe_runner_backend="torch")  # fmt: skip
     eager = LLM(str(folder), disable_cuda_graph=True, disable_fused_decode=True, **args)
     want = eager.generate(prompts, GREEDY, use_tqdm=False)
     graphed = LLM(str(folder), disable_fused_decode=True, **args)
