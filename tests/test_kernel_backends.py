@@ -32,7 +32,7 @@ def test_cpu_chooses_the_torch_reference_for_every_op() -> None:
         (["--dsa-decode-backend", "flashmla_kv"], "--dsa-decode-backend flashmla_kv: a CUDA"),
         (["--dsa-prefill-backend", "fa3"], "--dsa-prefill-backend fa3: a CUDA kernel"),
         (["--fp8-gemm-backend", "deep_gemm"], "--fp8-gemm-backend deep_gemm: a CUDA kernel"),
-        (["--moe-runner-backend", "triton"], "--moe-runner-backend triton: a CUDA kernel"),
+        (["--moe-runner-backend", "deep_gemm"], "--moe-runner-backend deep_gemm: a CUDA kernel"),
     ],
 )
 def test_cuda_only_backends_are_refused_on_cpu_in_one_line(argv, message) -> None:

@@ -204,7 +204,8 @@ class CudaGraphRunner:
                 self._run(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        # thread_local: another thread's CUDA work (HiCache copies) must not void the capture
+        with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
             out = self._run(bucket)
         logger.info("captured the decode graph for %d rows x %d context in %.2f s",
                     bucket.rows, bucket.context, time.perf_counter() - start)  # fmt: skip
