@@ -50,6 +50,9 @@ class DecodeStep:
     def accepts(batch: ForwardBatch) -> bool:
         return FusedDecode.accepts(batch)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fused.logits(hidden)
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if not self._first_call:
             return self._forward()

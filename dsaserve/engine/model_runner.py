@@ -38,7 +38,9 @@ class ModelRunner:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         with forward_context(batch):
             step = self.decode_step
-            hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
+            if step is not None and step.accepts(batch):
+                return sampled, step.logits(step(batch)[batch.logits_rows])
+            hidden = self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
 
     def build(

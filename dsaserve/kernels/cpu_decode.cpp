@@ -195,20 +195,65 @@ class DecodeLayers {
                qf + (t * heads + hd) * entry_dim + I[kRank]);
 
     // Attention over each row's top-k entries (or its whole context), absorbed form.
-    Tensor use_slots = slots, allowed = valid;
-    if (selected.defined()) {
-      use_slots = slots.gather(1, selected);
-      allowed = valid.gather(1, selected);
-    }
-    Tensor ctx = cache.index_select(0, use_slots.reshape(-1)).view({rows, use_slots.size(1), entry_dim});
-    Tensor scores = at::bmm(q_full, ctx.transpose(1, 2)).mul_(L.f[kScale]);
-    scores.masked_fill_(allowed.logical_not().unsqueeze(1), -std::numeric_limits<float>::infinity());
-    Tensor out = at::bmm(scores.softmax(-1), ctx.narrow(2, 0, I[kRank]));  // [T, H, rank]
+    Tensor out = attend(q_full, cache, slots, valid, selected, I[kRank], L.f[kScale]);
     out = at::bmm(out.transpose(0, 1), T[kWUvT]).transpose(0, 1).reshape({rows, -1});
     Tensor y = x + linear(out.contiguous(), T[kWO], T[kBO]);
 
     h = rms_norm(y, T[kPostNorm], L.f[kPostEps]);
     return y + ffn(L, h);
+  }
+
+  // softmax(q . entry * scale) over each row's allowed entries, times their latent part:
+  // [T, H, E] -> [T, H, rank]. Entries are read in place from the pool (no gather).
+  static Tensor attend(const Tensor& q_full, const Tensor& cache, const Tensor& slots,
+                       const Tensor& valid, const Tensor& selected, int64_t rank, double scale) {
+    const int64_t rows = q_full.size(0), heads = q_full.size(1), dim = q_full.size(2);
+    const int64_t length = slots.size(1), n = selected.defined() ? selected.size(1) : length;
+    Tensor out = torch::zeros({rows, heads, rank}, q_full.options());
+    const float* qp = q_full.data_ptr<float>();
+    const float* cp = cache.data_ptr<float>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    const bool* vp = valid.data_ptr<bool>();
+    const int64_t* pick = selected.defined() ? selected.data_ptr<int64_t>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * dim));
+    at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> p(n);
+      std::vector<const float*> entry(n);
+      for (int64_t th = begin; th < end; ++th) {
+        const int64_t t = th / heads;
+        const float* q = qp + th * dim;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t at = pick ? pick[t * n + j] : j;
+          entry[j] = nullptr;
+          p[j] = -std::numeric_limits<float>::infinity();
+          if (!vp[t * length + at]) continue;
+          entry[j] = cp + sp[t * length + at] * dim;
+          float acc[16] = {0};
+          int64_t i = 0;
+          for (; i + 16 <= dim; i += 16)
+            for (int k = 0; k < 16; ++k) acc[k] += q[i + k] * entry[j][i + k];
+          float d = 0;
+          for (int k = 0; k < 16; ++k) d += acc[k];
+          for (; i < dim; ++i) d += q[i] * entry[j][i];
+          p[j] = d * static_cast<float>(scale);
+          top = std::max(top, p[j]);
+        }
+        float total = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          p[j] = entry[j] ? std::exp(p[j] - top) : 0.0f;
+          total += p[j];
+        }
+        float* o = op + th * rank;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!entry[j]) continue;
+          const float w = p[j] / total;
+          for (int64_t i = 0; i < rank; ++i) o[i] += w * entry[j][i];
+        }
+      }
+    });
+    return out;
   }
 
   Tensor indexer(const Layer& L, const Tensor& parts, const Tensor& qp, const float* c,
@@ -257,15 +302,16 @@ class DecodeLayers {
     cache.index_copy_(0, out_slots, key);
     const int64_t length = slots.size(1), topk = I[kTopk];
     if (length <= topk) return Tensor();
+    // I(t, l) = sum_h w_h relu(q_h . k_l): MKL's GEMM over the gathered keys beats a loop here.
     Tensor keys = cache.index_select(0, slots.reshape(-1)).view({rows, length, dim});
     Tensor scores = at::bmm(q, keys.transpose(1, 2)).relu_();  // [T, nI, L]
     scores = at::bmm(weights.unsqueeze(1), scores).squeeze(1);  // [T, L]
     scores.masked_fill_(valid.logical_not(), -std::numeric_limits<float>::infinity());
+    const float* sc = scores.data_ptr<float>();
     Tensor picks = torch::empty({rows, topk}, slots.options().dtype(torch::kLong));
-    const float* sp = scores.data_ptr<float>();
     int64_t* op = picks.data_ptr<int64_t>();
     std::vector<float> work;
-    for (int64_t t = 0; t < rows; ++t) topk_earliest_row(sp + t * length, length, topk, work,
+    for (int64_t t = 0; t < rows; ++t) topk_earliest_row(sc + t * length, length, topk, work,
                                                          op + t * topk);
     return picks;
   }
@@ -376,4 +422,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<std::vector<std::vector<Tensor>>, std::vector<std::vector<int64_t>>,
                           std::vector<std::vector<double>>>())
       .def("forward", &DecodeLayers::forward);
+  // The final norm and the LM head of the decode step, the same loops as inside the layers.
+  m.def("rms_norm", [](const Tensor& x, const Tensor& w, double eps) {
+    return rms_norm(x.contiguous(), w.contiguous(), eps);
+  });
+  m.def("linear", [](const Tensor& x, const Tensor& w) {
+    return linear(x.contiguous(), w, Tensor());
+  });
 }

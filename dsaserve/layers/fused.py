@@ -173,7 +173,7 @@ class FusedDecode:
                                     batch.index_cache, batch.decode_slots, batch.decode_valid,
                                     batch.out_slots)  # fmt: skip
             norm = model.model.norm
-            return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+            return cpu_decode.extension().rms_norm(x, norm.weight, norm.eps)
         rot = rotation(cos, sin, interleave=True)
         rot_index = rot if self.indexer_interleave else rotation(cos, sin, interleave=False)
         selection = None
@@ -181,6 +181,14 @@ class FusedDecode:
             x, selection = self._layer(layer, weights, x, (rot, rot_index), selection)
         norm = model.model.norm
         return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of `hidden` (the LM head as a native small-batch linear)."""
+        head = self.model.lm_head
+        one_rank = self.model.parallel.world == 1  # (the engine uses this path on one rank only)
+        if self.native is None or not one_rank or head.weight.dtype != torch.float32:
+            return self.model.logits(hidden)
+        return cpu_decode.extension().linear(hidden, head.weight)
 
     def _layer(self, layer, weights: LayerWeights, x, rots, shared: Selection | None):
         ln = layer.input_layernorm
