@@ -22,11 +22,45 @@ namespace {
 using torch::Tensor;
 
 constexpr int64_t kSmallRows = 8;  // up to this many rows a linear streams its weights itself
+// A loop is split across threads only when each thread gets about this much work (multiply-adds):
+// below it, waking the other threads costs more than they save.
+constexpr int64_t kSplitWork = 1 << 15;
+
+// The threads a forward was given. ATen's own small ops (the gathers and score GEMMs here) get
+// slower, not faster, when split over threads, so a forward runs them on one thread and splits
+// only its own large loops over all of them (`split`).
+thread_local int g_threads = 1;
+
+class OneThread {
+ public:
+  OneThread() : threads_(at::get_num_threads()) {
+    g_threads = threads_;
+    if (threads_ > 1) at::set_num_threads(1);
+  }
+  ~OneThread() {
+    if (threads_ > 1) at::set_num_threads(threads_);
+  }
+
+ private:
+  int threads_;
+};
+
+template <typename F>
+void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (g_threads <= 1 || end - begin <= grain) {
+    f(begin, end);
+    return;
+  }
+  at::set_num_threads(g_threads);
+  at::parallel_for(begin, end, grain, f);
+  at::set_num_threads(1);
+}
 
 // y[t, o] = sum_i x[t, i] * w[o, i] (+ b[o]) for a few rows t: each weight row is read once.
 void small_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
                   const float* bias, float* y, int64_t y_stride) {
-  at::parallel_for(0, out, 32, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, kSplitWork / std::max<int64_t>(1, in * rows));
+  split(0, out, grain, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const float* wr = w + o * in;
       for (int64_t t = 0; t < rows; ++t) {
@@ -142,6 +176,7 @@ class DecodeLayers {
                  const Tensor& kv_cache, const Tensor& index_cache,
                  const Tensor& slots, const Tensor& valid, const Tensor& out_slots) {
     at::NoGradGuard no_grad;
+    OneThread one_thread;
     Tensor selected;  // [T, topk] positions into the padded context, or undefined (dense)
     for (const Layer& layer : layers_) x = run(layer, x, cos, sin, kv_cache, index_cache, slots,
                                                valid, out_slots, selected);
@@ -216,8 +251,8 @@ class DecodeLayers {
     const bool* vp = valid.data_ptr<bool>();
     const int64_t* pick = selected.defined() ? selected.data_ptr<int64_t>() : nullptr;
     float* op = out.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, n * dim));
-    at::parallel_for(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
+    const int64_t grain = std::max<int64_t>(1, kSplitWork / std::max<int64_t>(1, 2 * n * dim));
+    split(0, rows * heads, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> p(n);
       std::vector<const float*> entry(n);
       for (int64_t th = begin; th < end; ++th) {
@@ -427,6 +462,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return rms_norm(x.contiguous(), w.contiguous(), eps);
   });
   m.def("linear", [](const Tensor& x, const Tensor& w) {
+    OneThread one_thread;
     return linear(x.contiguous(), w, Tensor());
   });
 }
