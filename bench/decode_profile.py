@@ -1,5 +1,6 @@
 """Where a batch-1 decode step's time goes: per-step wall time split into the model forward and
-the rest of the engine step, and the forward's op count and top ops, layered vs fused path.
+the rest of the engine step, and the forward's op count and top ops: the layered model, the fused
+path in Python, and its native form (kernels/cpu_decode.cpp; its ATen calls are the only ops left).
 
     python bench/decode_profile.py [--model-path DIR] [--prompt-len 512] [--steps 64] \
         [--threads 1] [--json bench/results/decode_profile.json]
@@ -26,8 +27,8 @@ from dsaserve.assets import default_model_path
 from dsaserve.engine.engine import Engine
 from dsaserve.engine.io import GenerateRequest
 
-MODES = {"layered": {"disable_fused_decode": True}, "fused": {},
-         "fused+compile": {"enable_torch_compile": True}}  # fmt: skip
+MODES = {"layered": {"disable_fused_decode": True}, "fused": {"disable_native_decode": True},
+         "native": {}, "fused+compile": {"enable_torch_compile": True}}  # fmt: skip
 
 
 def decode(engine: Engine, prompt: list[int], steps: int, rid: str, forward_ms: list[float]):
@@ -91,7 +92,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--modes", default="layered,fused")
+    p.add_argument("--modes", default="layered,fused,native")
     p.add_argument("--json", default="bench/results/decode_profile.json")
     args = p.parse_args()
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]

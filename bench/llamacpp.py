@@ -130,7 +130,7 @@ class LlamaServer:
         self.port = _free_port()
         cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--port", str(self.port),
                "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads), "-np", str(slots),
-               "-c", str(ctx), "-b", "2048", "-ub", "512", "--no-warmup", "-kvu"]  # fmt: skip
+               "-c", str(ctx), "-b", "2048", "-ub", "512", "--no-warmup"]  # fmt: skip
         self.log = open(Path(gguf).parent / f"server-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
@@ -155,9 +155,11 @@ class LlamaServer:
             os.killpg(self.proc.pid, 9)
         self.log.close()
 
-    def complete(self, prompt: list[int], n_predict: int) -> dict:
+    def complete(self, prompt: list[int], n_predict: int, ignore_eos: bool = True) -> dict:
+        """Greedy. With ignore_eos llama-server bans the end-of-generation tokens (a logit bias
+        of -inf), so the exactness check asks without it and compares up to the first one."""
         body = {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
-                "ignore_eos": True, "cache_prompt": False, "return_tokens": True,
+                "ignore_eos": ignore_eos, "cache_prompt": False, "return_tokens": True,
                 "stream": False}  # fmt: skip
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion",
                                          json.dumps(body).encode(),
@@ -272,19 +274,33 @@ def reference_greedy(model_path: Path, prompt: list[int], new: int) -> list[int]
     return ids[len(prompt) :]
 
 
+def until_eog(tokens: list[int], eog: set[int]) -> list[int]:
+    """The tokens before the first end-of-generation token."""
+    for i, token in enumerate(tokens):
+        if token in eog:
+            return tokens[:i]
+    return tokens
+
+
 def check_exact(args, model_path: Path, bin_dir: Path, gguf: Path, engine, vocab: int) -> list:
+    """transformers' greedy tokens (no stop) vs dsaserve's (ignore_eos) whole, and vs
+    llama.cpp's (which stops at an end-of-generation token) up to the first such token."""
+    eog = set(_reference(model_path).generation_config.eos_token_id or [])
     checks = []
     prompts = [random_prompt(n, vocab, 1000 + n) for n in (7, 40, 100)[: args.check_prompts]]
     with LlamaServer(bin_dir, gguf, 1, 1, 1024) as server:
         for i, prompt in enumerate(prompts):
             expected = reference_greedy(model_path, prompt, args.check_tokens)
-            llama = server.complete(prompt, args.check_tokens)["tokens"]
+            llama = until_eog(server.complete(prompt, args.check_tokens, False)["tokens"], eog)
             ours = dsaserve_tokens(engine, prompt, args.check_tokens, f"check-{i}")
-            checks.append({"prompt_len": len(prompt), "llamacpp_matches": llama == expected,
-                           "dsaserve_matches": ours == expected})  # fmt: skip
+            upto = until_eog(expected, eog)
+            checks.append({"prompt_len": len(prompt), "llamacpp_matches": llama == upto,
+                           "llamacpp_compared": len(upto), "dsaserve_matches": ours == expected,
+                           "dsaserve_compared": len(expected)})  # fmt: skip
             print(
-                f"exactness, prompt of {len(prompt)}: llama.cpp {llama == expected}, "
-                f"dsaserve {ours == expected}",
+                f"exactness, prompt of {len(prompt)}: llama.cpp {llama == upto} (first "
+                f"{len(upto)} tokens, up to an end token), dsaserve {ours == expected} "
+                f"({len(expected)} tokens)",
                 flush=True,
             )
     return checks

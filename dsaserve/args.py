@@ -87,6 +87,7 @@ class ServerArgs:
     cuda_graph_max_bs: int | None = None
     # CPU decode step (dsaserve/engine/decode_step.py)
     disable_fused_decode: bool = False
+    disable_native_decode: bool = False
     enable_torch_compile: bool = False
     threads: int | None = None
     # speculative decoding
@@ -339,6 +340,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--disable-cuda-graph", **on)
     f("--cuda-graph-max-bs", type=int)
     f("--disable-fused-decode", **on)
+    f("--disable-native-decode", **on)
     f("--enable-torch-compile", **on)
     f("--threads", type=int)
     f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])

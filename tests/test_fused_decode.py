@@ -2,19 +2,45 @@
 
 Decode steps of a batch whose rows sit at different context lengths, below and above
 index_topk, on both families (GLM with a shared-indexer layer, DeepSeek with grouped routing and
-YaRN): the fused path must give the layered path's greedy tokens and logprobs (fp32, 1e-5), and
-must really have run (it is counted), so the test fails if the engine stops using it.
+YaRN): the fused path, in Python and in its native form (kernels/cpu_decode.cpp), must give the
+layered path's greedy tokens and logprobs (fp32, 1e-5), and must really have run (it is
+counted), so the test fails if the engine stops using it.
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.kernels import cpu_decode
 from dsaserve.layers.fused import FusedDecode, rotation
 from dsaserve.layers.rotary import apply_rotary
+
+MODES = {"python": {"disable_native_decode": True}, "native": {}}
+
+
+class Counted:
+    """The native DecodeLayers with its calls counted."""
+
+    def __init__(self, native) -> None:
+        self.native, self.calls = native, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.native.forward(*args)
+
+
+def test_native_decode_builds():
+    """Where a C++ compiler is (always in CI), the extension builds: the engine must not fall
+    back to the Python path there without anyone noticing."""
+    if shutil.which("c++") is None and not os.environ.get("CI"):
+        pytest.skip("no C++ compiler here")
+    assert cpu_decode.extension() is not None
 
 CASES = [
     ("glm", 0, {"indexer_types": ["full", "shared", "full"]}),
@@ -34,8 +60,11 @@ def test_rotation_matrix_is_apply_rotary(interleave):
     torch.testing.assert_close(rotated, apply_rotary(x, cos, sin, interleave), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-seed{c[1]}")
-def test_fused_decode_matches_layered_model(case, tmp_path, monkeypatch):
+def test_fused_decode_matches_layered_model(case, mode, tmp_path, monkeypatch):
+    if mode == "native" and cpu_decode.extension() is None:
+        pytest.skip("the native decode extension does not build here")
     kind, seed, overrides = case
     folder = make_checkpoint(tmp_path / "ckpt", kind, seed, **overrides)
     generator = torch.Generator().manual_seed(seed)
@@ -46,9 +75,17 @@ def test_fused_decode_matches_layered_model(case, tmp_path, monkeypatch):
     monkeypatch.setattr(FusedDecode, "forward", lambda self: calls.append(1) or original(self))
     results = {}
     for fused in (False, True):
-        llm = LLM(str(folder), page_size=4, max_total_tokens=2048, disable_fused_decode=not fused)
+        llm = LLM(str(folder), page_size=4, max_total_tokens=2048, disable_fused_decode=not fused,
+                  **MODES[mode])  # fmt: skip
+        step = llm.engine.runner.decode_step
+        native = step.fused.native if step is not None else None
+        assert (native is not None) == (fused and mode == "native")
+        if native is not None:
+            step.fused.native = native = Counted(native)
         results[fused] = llm.generate(prompts, params, use_tqdm=False)
         assert bool(calls) == fused
+        if native is not None:
+            assert native.calls == len(calls)
     # every step after the prefills is an all-decode batch
     assert len(calls) >= NEW_TOKENS - 1
     for layered, fused in zip(results[False], results[True]):

@@ -33,10 +33,13 @@ class DecodeStep:
         self._first_call = compiled
 
     @classmethod
-    def build(cls, model: nn.Module, enabled: bool, compiled: bool) -> DecodeStep | None:
+    def build(cls, model: nn.Module, enabled: bool, compiled: bool,
+              native: bool = True) -> DecodeStep | None:  # fmt: skip
         """The decode step of `model`, or None (layered model for every step) when disabled or
-        when the weights are not plain same-dtype linears (e.g. FP8)."""
-        fused = FusedDecode.build(model) if enabled else None
+        when the weights are not plain same-dtype linears (e.g. FP8). `native`: run the layers
+        in the C++ extension (kernels/cpu_decode.py) where it builds; compiling takes the
+        Python path (torch.compile traces Python)."""
+        fused = FusedDecode.build(model, native=native and not compiled) if enabled else None
         if fused is None:
             if compiled:
                 logger.warning("--enable-torch-compile: no fused decode path for this model")
@@ -46,6 +49,9 @@ class DecodeStep:
     @staticmethod
     def accepts(batch: ForwardBatch) -> bool:
         return FusedDecode.accepts(batch)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fused.logits(hidden)
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if not self._first_call:

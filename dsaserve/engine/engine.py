@@ -178,7 +178,7 @@ class Engine:
         plain = not fp8 and set(self.kernels.names.values()) == {"torch"}
         plain = plain and self.parallel.world == 1  # the ranks run the layered model
         step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
-                                args.enable_torch_compile)  # fmt: skip
+                                args.enable_torch_compile, native=not args.disable_native_decode)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
                                   self.graphs)  # fmt: skip
         self.spec = None

@@ -45,7 +45,9 @@ class ModelRunner:
         else:
             with forward_context(batch):
                 step = self.decode_step
-                hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
+                if step is not None and step.accepts(batch):
+                    return sampled, step.logits(step(batch)[batch.logits_rows])
+                hidden = self.model()
         return sampled, self.model.logits(hidden[batch.logits_rows])
 
     def run_target(self, batch: ForwardBatch) -> torch.Tensor:

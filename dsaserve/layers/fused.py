@@ -30,6 +30,7 @@ from torch import nn
 
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
+from dsaserve.kernels import cpu_decode
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
@@ -140,18 +141,20 @@ def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.T
 class FusedDecode:
     """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable."""
 
-    def __init__(self, model: nn.Module, weights: list[LayerWeights]) -> None:
+    def __init__(self, model: nn.Module, weights: list[LayerWeights], native=None) -> None:
         self.model = model
         self.weights = weights
         self.indexer_interleave = model.config.indexer_rope_interleave
+        self.native = native  # kernels/cpu_decode.py's DecodeLayers, or None: the Python layers
 
     @classmethod
-    def build(cls, model: nn.Module) -> FusedDecode | None:
+    def build(cls, model: nn.Module, native: bool = False) -> FusedDecode | None:
         layers = model.model.layers[: model.config.num_hidden_layers]
         weights = [_fused_weights(layer) for layer in layers]
         if any(w is None for w in weights):
             return None
-        return cls(model, weights)
+        on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
+        return cls(model, weights, cpu_decode.build(layers, weights) if native and on_cpu else None)
 
     @staticmethod
     def accepts(batch: ForwardBatch) -> bool:
@@ -165,6 +168,12 @@ class FusedDecode:
         model = self.model
         x = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
+        if self.native is not None:
+            x = self.native.forward(x, cos.contiguous(), sin.contiguous(), batch.kv_cache,
+                                    batch.index_cache, batch.decode_slots, batch.decode_valid,
+                                    batch.out_slots)  # fmt: skip
+            norm = model.model.norm
+            return cpu_decode.extension().rms_norm(x, norm.weight, norm.eps)
         rot = rotation(cos, sin, interleave=True)
         rot_index = rot if self.indexer_interleave else rotation(cos, sin, interleave=False)
         selection = None
@@ -172,6 +181,14 @@ class FusedDecode:
             x, selection = self._layer(layer, weights, x, (rot, rot_index), selection)
         norm = model.model.norm
         return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of `hidden` (the LM head as a native small-batch linear)."""
+        head = self.model.lm_head
+        one_rank = self.model.parallel.world == 1  # (the engine uses this path on one rank only)
+        if self.native is None or not one_rank or head.weight.dtype != torch.float32:
+            return self.model.logits(hidden)
+        return cpu_decode.extension().linear(hidden, head.weight)
 
     def _layer(self, layer, weights: LayerWeights, x, rots, shared: Selection | None):
         ln = layer.input_layernorm

@@ -1,0 +1,93 @@
+"""The native CPU decode layers (cpu_decode.cpp): built once per machine, used by FusedDecode.
+
+`DecodeLayers` runs every decoder layer of an all-decode fp32 batch in one C++ call (the same
+math as dsaserve/layers/fused.py, which stays the reference and the fallback). The extension is
+compiled with the machine's own compiler at first use (`torch.utils.cpp_extension`, about 20 s
+on two cores; cached under `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), with
+`-O3 -march=native`, since it is built where it runs. Where it cannot be built (no compiler, no
+Python headers) the engine says so once and keeps the Python fused path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsaserve.layers.mla import MLAttention
+from dsaserve.layers.moe import MoE
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's router)
+
+
+@functools.cache
+def extension():
+    """The compiled module, or None (with one warning) where this machine cannot build it."""
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension.load(
+            name="dsaserve_cpu_decode",
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 (any build failure means: keep the Python path)
+        logger.warning("native CPU decode unavailable (%s); using the Python fused path",
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)  # fmt: skip
+        return None
+
+
+def _or_none(t: torch.Tensor | None) -> torch.Tensor:
+    return NONE if t is None else t.detach().contiguous()
+
+
+def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float]]:
+    """The tensors, ints and floats of one layer, in cpu_decode.cpp's Slot / Int / Float order."""
+    attn: MLAttention = layer.self_attn
+    mlp = layer.mlp
+    moe = isinstance(mlp, MoE)
+    dense = mlp.shared_experts if moe else mlp
+    idx = attn.indexer
+    tensors = [
+        layer.input_layernorm.weight, weights.w_in, weights.b_in, attn.q_a_layernorm.weight,
+        weights.w_qres, attn.kv_a_layernorm.weight, weights.w_uk, weights.w_uv_t,
+        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+        weights.mlp_gate_up, dense.down_proj.weight,
+        mlp.gate.weight if moe else None, mlp.gate.e_score_correction_bias if moe else None,
+        mlp.experts.gate_up_proj if moe else None, mlp.experts.down_proj if moe else None,
+        idx.k_norm.weight if idx is not None else None,
+        idx.k_norm.bias if idx is not None else None,
+    ]  # fmt: skip
+    tensors = [_or_none(t) for t in tensors]
+    config = layer.mlp.gate if moe else None
+    ints = [
+        attn.layer_id, idx.cache_index if idx is not None else -1, attn.q_a_proj.weight.shape[0],
+        attn.rank, attn.rope_dim, idx.head_dim if idx is not None else 0,
+        idx.n_heads if idx is not None else 0, attn.n_heads, attn.nope_dim, attn.v_dim,
+        int(idx.interleave) if idx is not None else 0, idx.topk if idx is not None else 0,
+        config.n_group if moe else 1, config.topk_group if moe else 1,
+        config.top_k if moe else 0, int(config.normalise) if moe else 0,
+    ]  # fmt: skip
+    floats = [
+        layer.input_layernorm.eps, attn.q_a_layernorm.eps, attn.kv_a_layernorm.eps,
+        layer.post_attention_layernorm.eps, idx.k_norm.eps if idx is not None else 1e-6,
+        attn.scale, config.scaling if moe else 1.0,
+    ]  # fmt: skip
+    return tensors, ints, [float(f) for f in floats]
+
+
+def build(layers: list[nn.Module], weights: list) -> object | None:
+    """A DecodeLayers over `layers` (with their FusedDecode weights), or None without the build."""
+    module = extension()
+    if module is None:
+        return None
+    fields = [layer_fields(layer, w) for layer, w in zip(layers, weights)]
+    return module.DecodeLayers([f[0] for f in fields], [f[1] for f in fields],
+                               [f[2] for f in fields])  # fmt: skip
