@@ -1,0 +1,70 @@
+"""The indexer's causal scan for prefill rows: every row's score over every earlier key, top-k.
+
+I(t, s) = sum_h w_h(t) * ReLU(q_h(t) . k(s)) for s <= pos(t). A prompt of n tokens costs
+n^2 / 2 * heads * dim * 2 FLOP here (the one quadratic part of a DSA prefill), so the scan is
+laid out for the matmul units rather than for memory:
+
+- rows go in blocks of ROWS; a block scores only the keys up to its last row's position (the
+  causal triangle is skipped, not masked), and masks just the few keys past its first row;
+- the keys go in tiles of KEY_TILE, so the [rows * heads, tile] GEMM output, its ReLU (in place)
+  and the per-row weighted sum over heads stay in cache instead of streaming a
+  [rows, heads, context] tensor through memory three times.
+
+Each score is the same dot product and the same weighted sum over heads (a bmm) as the plain
+form `relu(einsum("nhd,ld->nhl")) -> einsum("nh,nhl->nl")`, up to the order MKL's kernel for a
+tile's width accumulates in (as the decode path's bmm already differs); exact ties stay exact,
+and `topk_earliest` gives them to the earlier position, so the picks do not depend on the block
+sizes (tests/test_indexer_scan.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsaserve.layers.topk import topk_earliest
+
+ROWS = 32  # query rows per block: a [ROWS * heads, KEY_TILE] fp32 tile is 2 MiB (the L2 size)
+KEY_TILE = 2048
+
+
+def causal_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    k: int,
+    rows: int = ROWS,
+    key_tile: int = KEY_TILE,
+) -> torch.Tensor:
+    """Top-k key positions [n, k] (increasing, earlier wins ties) of n rows over `keys`.
+
+    q [n, heads, dim], weights [n, heads] (scales folded in), keys [L, dim] (fp32), positions
+    [n] each row's own position in the context (non-decreasing; row t sees keys 0..pos(t)).
+    Rows that see fewer than k keys also pick the earliest positions past their own, which the
+    attention masks (as for every selection)."""
+    picks = [torch.zeros(0, k, dtype=torch.long, device=q.device)]
+    q, weights = q.float(), weights.float()
+    for start in range(0, q.shape[0], rows):
+        block = slice(start, min(start + rows, q.shape[0]))
+        scores = block_scores(q[block], weights[block], keys, positions[block], k, key_tile)
+        picks.append(topk_earliest(scores, k))
+    return torch.cat(picks)
+
+
+def block_scores(q, weights, keys, positions, k: int, key_tile: int = KEY_TILE) -> torch.Tensor:
+    """Scores [b, width] of one block of rows over keys [0, width): width is one past the last
+    row's position (at least k), keys past a row's own position are -inf."""
+    count, heads, dim = q.shape
+    width = max(int(positions[-1]) + 1, k)
+    scores = q.new_empty(count, width)
+    flat = q.reshape(count * heads, dim)
+    keys_t = keys.t()  # [dim, L] (a view: the GEMM reads it transposed)
+    for lo in range(0, width, key_tile):
+        hi = min(lo + key_tile, width)
+        part = torch.mm(flat, keys_t[:, lo:hi]).relu_().view(count, heads, hi - lo)
+        torch.bmm(weights[:, None, :], part, out=scores[:, None, lo:hi])  # [b, 1, tile]
+    low = int(positions[0]) + 1  # keys before `low` are visible to every row of the block
+    if low < width:
+        later = torch.arange(low, width, device=q.device)[None, :] > positions[:, None]
+        scores[:, low:].masked_fill_(later, float("-inf"))
+    return scores
