@@ -40,7 +40,8 @@ def _panel(runs: list[dict], key: str, title: str, log_y: bool, left: float) -> 
     for x in sorted(set(xs)):
         out.append(f'<text x="{px(x):.1f}" y="{bottom + 14}" text-anchor="middle">'
                    f"{x // 1024}k</text>")  # fmt: skip
-    ticks = sorted({y for y in ys}) if log_y else [y1 * i / 4 / 1.1 for i in range(5)]
+    decades = [10.0**e for e in range(math.ceil(y0), math.floor(y1) + 1)]
+    ticks = decades if log_y else [y1 * i / 4 / 1.1 for i in range(5)]
     for y in ticks:
         label = f"{y:.3g}"
         out.append(f'<text x="{left + MARGIN - 4}" y="{py(y) + 4:.1f}" text-anchor="end">'
