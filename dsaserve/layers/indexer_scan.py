@@ -33,15 +33,16 @@ def causal_topk(
     keys: torch.Tensor,
     positions: torch.Tensor,
     k: int,
-    rows: int = ROWS,
-    key_tile: int = KEY_TILE,
+    rows: int | None = None,
+    key_tile: int | None = None,
 ) -> torch.Tensor:
     """Top-k key positions [n, k] (increasing, earlier wins ties) of n rows over `keys`.
 
     q [n, heads, dim], weights [n, heads] (scales folded in), keys [L, dim] (fp32), positions
     [n] each row's own position in the context (non-decreasing; row t sees keys 0..pos(t)).
     Rows that see fewer than k keys also pick the earliest positions past their own, which the
-    attention masks (as for every selection)."""
+    attention masks (as for every selection). Blocks: `rows` x `key_tile` (ROWS, KEY_TILE)."""
+    rows, key_tile = rows or ROWS, key_tile or KEY_TILE
     picks = [torch.zeros(0, k, dtype=torch.long, device=q.device)]
     q, weights = q.float(), weights.float()
     for start in range(0, q.shape[0], rows):
