@@ -13,7 +13,8 @@ import pytest
 import torch
 from tie_break import stable_topk
 
-from dsaserve.layers.indexer_scan import block_scores, causal_topk
+from dsaserve.layers.indexer_scan import block_scores, causal_topk, decode_scores
+from dsaserve.layers.topk import topk_earliest
 
 
 def _plain_scores(q, weights, keys, positions) -> torch.Tensor:
@@ -68,3 +69,23 @@ def test_block_scores_equal_the_plain_scores():
                 assert torch.equal(got, plain), f"key tile {tile}"
             else:
                 torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantised", [True, False])
+def test_decode_scores_equal_the_gathered_form(quantised):
+    """Decode rows of different lengths (padded), keys at scattered pool slots, scored tile by
+    tile: the scores of the gather-everything form (exactly on quantised inputs), same picks."""
+    q, weights, pool = _case(11, 5, 400, 2, quantised)
+    generator = torch.Generator().manual_seed(4)
+    slots = torch.stack([torch.randperm(400, generator=generator)[:90] for _ in range(5)])
+    valid = torch.arange(90)[None, :] < torch.tensor([90, 3, 47, 64, 89])[:, None]
+    keys = pool[slots]  # [5, 90, 16]
+    plain = torch.relu(torch.einsum("bhd,bld->bhl", q, keys))
+    plain = torch.einsum("bh,bhl->bl", weights, plain).masked_fill(~valid, float("-inf"))
+    for tile in (1, 7, 90, None):
+        got = decode_scores(q, weights, pool, slots, valid, tile)
+        if quantised:
+            assert torch.equal(got, plain), f"tile {tile}"
+        else:
+            torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-5)
+        assert torch.equal(topk_earliest(got, 8), stable_topk(plain, 8).indices.sort(-1).values)
