@@ -36,7 +36,7 @@ from flops import matmul_peak, prefill_flops  # noqa: E402
 from long_context_plot import write_plot  # noqa: E402
 
 
-def one(cp: int, length: int, decode: int, chunk: int) -> dict:
+def one(cp: int, length: int, decode: int, chunk: int, layered: bool = False) -> dict:
     from dsaserve import LLM, SamplingParams
     from dsaserve.assets import default_model_path
 
@@ -44,7 +44,7 @@ def one(cp: int, length: int, decode: int, chunk: int) -> dict:
     flags = dict(tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="interleave")
     llm = LLM(str(default_model_path()), page_size=64, chunked_prefill_size=chunk,
               max_total_tokens=length + decode + 256, context_length=65536,
-              **(flags if cp == 2 else {}))  # fmt: skip
+              disable_fused_decode=layered, **(flags if cp == 2 else {}))  # fmt: skip
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(length)
     prompt = torch.randint(1, vocab, (length,), generator=gen).tolist()
@@ -82,21 +82,25 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--json", default="bench/results/long_context.json")
     ap.add_argument("--merge", action="store_true", help="keep the JSON's other runs")
+    ap.add_argument("--disable-fused-decode", action="store_true",
+                    help="decode on the layered path (cp 2 always is)")  # fmt: skip
     ap.add_argument("--plot", help="write an SVG of TTFT and ITL against the prompt length")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # "cp,length": run one in this process
     args = ap.parse_args()
     if args.one:
         cp, length = map(int, args.one.split(","))
-        print(json.dumps(one(cp, length, args.decode, args.chunk)), flush=True)
+        run = one(cp, length, args.decode, args.chunk, args.disable_fused_decode)
+        print(json.dumps(run), flush=True)
         return
     path = Path(args.json)
     old = json.loads(path.read_text())["runs"] if args.merge and path.exists() else []
     runs = []
     for length in map(int, args.lengths.split(",")) if args.lengths else []:
         for cp in map(int, args.cps.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--one", f"{cp},{length}",
-                                  "--decode", str(args.decode), "--chunk", str(args.chunk)],
-                                 check=True, capture_output=True, text=True)  # fmt: skip
+            layered = ["--disable-fused-decode"] if args.disable_fused_decode else []
+            command = [sys.executable, __file__, "--one", f"{cp},{length}", "--decode",
+                       str(args.decode), "--chunk", str(args.chunk), *layered]  # fmt: skip
+            out = subprocess.run(command, check=True, capture_output=True, text=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(runs[-1], flush=True)
     done = {(r["cp"], r["prompt_tokens"]) for r in runs}
