@@ -20,8 +20,7 @@ from dsaserve.layers.indexer_scan import causal_topk
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig
 
-WORKSPACE = 1 << 21  # elements of the largest score/gather buffer one row block may take (8 MiB
-# of fp32: blocks of prefill attention rows stay in cache)
+WORKSPACE = 1 << 24  # elements of the largest score/gather buffer one row block may take
 
 
 class Selection(NamedTuple):
