@@ -51,18 +51,30 @@ def causal_topk(
     rows, key_tile = rows or ROWS, key_tile or KEY_TILE
     picks = [torch.zeros(0, k, dtype=torch.long, device=q.device)]
     q, weights = q.float(), weights.float()
+    host = positions.tolist()  # block widths from the host: no device sync per block
     for start in range(0, q.shape[0], rows):
         block = slice(start, min(start + rows, q.shape[0]))
-        scores = block_scores(q[block], weights[block], keys, positions[block], k, key_tile)
+        span = (host[block.start], host[block.stop - 1])
+        scores = block_scores(q[block], weights[block], keys, positions[block], k, key_tile, span)
         picks.append(topk_earliest(scores, k))
     return torch.cat(picks)
 
 
-def block_scores(q, weights, keys, positions, k: int, key_tile: int = KEY_TILE) -> torch.Tensor:
+def block_scores(
+    q,
+    weights,
+    keys,
+    positions,
+    k: int,
+    key_tile: int = KEY_TILE,
+    span: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """Scores [b, width] of one block of rows over keys [0, width): width is one past the last
-    row's position (at least k), keys past a row's own position are -inf."""
+    row's position (at least k), keys past a row's own position are -inf. `span`: the first and
+    last row's positions, if known on the host."""
     count, heads, dim = q.shape
-    width = max(int(positions[-1]) + 1, k)
+    first, last = span if span is not None else (int(positions[0]), int(positions[-1]))
+    width = max(last + 1, k)
     scores = q.new_empty(count, width)
     flat = q.reshape(count * heads, dim)
     keys_t = keys.t()  # [dim, L] (a view: the GEMM reads it transposed)
@@ -70,7 +82,7 @@ def block_scores(q, weights, keys, positions, k: int, key_tile: int = KEY_TILE) 
         hi = min(lo + key_tile, width)
         part = torch.mm(flat, keys_t[:, lo:hi]).relu_().view(count, heads, hi - lo)
         torch.bmm(weights[:, None, :], part, out=scores[:, None, lo:hi])  # [b, 1, tile]
-    low = int(positions[0]) + 1  # keys before `low` are visible to every row of the block
+    low = first + 1  # keys before `low` are visible to every row of the block
     if low < width:
         later = torch.arange(low, width, device=q.device)[None, :] > positions[:, None]
         scores[:, low:].masked_fill_(later, float("-inf"))
