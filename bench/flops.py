@@ -108,11 +108,27 @@ def decode_flops_per_token(folder: Path, context_len: float) -> float:
     return 2 * active_params(folder).active + attention_flops_per_token(config, context_len)
 
 
+def prefill_flops(folder: Path, prompt_len: int) -> float:
+    """FLOPs of prefilling `prompt_len` tokens: every token's weights plus its attention over
+    the tokens before it (the indexer's scan is the part quadratic in the prompt)."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = 2 * active_params(folder).active * prompt_len
+    topk, layers = config.get("index_topk") or prompt_len, config["num_hidden_layers"]
+    heads, rank = config["num_attention_heads"], config["kv_lora_rank"]
+    entry = rank + config["qk_rope_head_dim"]
+    dense = min(prompt_len, topk)  # tokens 1..dense attend all of their context
+    attended = dense * (dense + 1) / 2 + (prompt_len - dense) * topk
+    scanned = prompt_len * (prompt_len + 1) / 2
+    indexer = 2 * config.get("index_n_heads", 0) * config.get("index_head_dim", 0) * scanned
+    return weights + layers * (2 * heads * (entry + rank) * attended + indexer)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model-path", help="also print FLOPs per decode token of this checkpoint")
     ap.add_argument("--context-len", type=float, default=192.0)
+    ap.add_argument("--prefill-len", type=int, help="also print FLOPs of a prefill this long")
     args = ap.parse_args()
     peak = matmul_peak(args.threads)
     print(f"fp32 matmul peak on {peak.threads} thread(s): best {peak.best / 1e9:.1f} GFLOP/s, "
@@ -124,6 +140,10 @@ def main() -> None:
         context = args.context_len
         print(f"params: {count.total / 1e6:.2f}M total, {count.active / 1e6:.2f}M active matmul;"
               f" {per_token / 1e6:.2f} MFLOP per decode token at context {context:g}")  # fmt: skip
+        if args.prefill_len:
+            flops = prefill_flops(folder, args.prefill_len)
+            print(f"prefill of {args.prefill_len} tokens: {flops / 1e9:.1f} GFLOP, at least "
+                  f"{flops / peak.best:.1f} s at the peak")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
+from dsaserve.deploy.memory import kv_bytes_per_token, layer_split_kv_bytes_per_token
+from dsaserve.deploy.models import load_model
 from dsaserve.distributed.rounds import DistributedModel
 
 TOPK = 8
@@ -49,7 +51,8 @@ def references(glm, deepseek):
 
 def run(model, **kw) -> tuple[list, dict]:
     """Outputs of PROMPTS (batched), then of CACHED (a radix hit), and rank 0's counters: bytes
-    received in CP all-gathers, bytes of LayerSplit fetches, bytes of its MLA KV tensors."""
+    received in CP all-gathers, bytes of LayerSplit fetches, bytes of its MLA KV tensors, KV
+    bytes per token slot (MLA entries and indexer keys)."""
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     with LLM(str(model), **BASE, **kw) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -57,11 +60,13 @@ def run(model, **kw) -> tuple[list, dict]:
         model = llm.engine.model
         model = model.model if isinstance(model, DistributedModel) else model
         cps = [layer.self_attn.cp for layer in model.model.layers]
-        kv = llm.engine.pool.kv_cache
+        pool = llm.engine.pool
+        kv, slots = pool.kv_cache, pool.index_cache.shape[1]
         counters = {
             "gathered": sum(cp.gathered_bytes for cp in cps if cp is not None),
             "fetched": getattr(kv, "fetched_bytes", 0),
             "kv_bytes": kv.nbytes,
+            "per_token": (kv.nbytes + pool.index_cache.nbytes) / slots,
         }
     return outs, counters
 
@@ -74,7 +79,9 @@ def check_same(want: list, got: list) -> None:
     assert got[-1].cached_tokens >= 48
 
 
-@pytest.mark.parametrize(("kind", "split"), [("glm", False), ("glm", True), ("deepseek", True)])
+@pytest.mark.parametrize(
+    ("kind", "split"), [("glm", False), ("glm", True), ("deepseek", False), ("deepseek", True)]
+)
 def test_cp2_matches_single_process(kind, split, glm, deepseek, references):
     model, extra = (glm, EAGLE) if kind == "glm" else (deepseek, {})
     flags = {**CP, **extra, "enable_dsa_cache_layer_split": split}
@@ -90,6 +97,11 @@ def test_cp2_matches_single_process(kind, split, glm, deepseek, references):
     main, mtp = (3, 1) if kind == "glm" else (6, 0)
     held = (len(range(0, main, 2)) + mtp + 1) if split else main + mtp
     assert counters["kv_bytes"] * (main + mtp) == whole["kv_bytes"] * held
+    if kind == "deepseek":  # every layer has its own indexer: the planner's formulas hold
+        spec = load_model(str(deepseek))
+        assert whole["per_token"] == kv_bytes_per_token(spec, "fp32")  # 6 x (48 + 32) x 4 B
+        expected = layer_split_kv_bytes_per_token(spec, "fp32", 2) if split else whole["per_token"]
+        assert counters["per_token"] == expected  # split: 4 x 48 x 4 + 6 x 32 x 4 B
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from dsaserve.deploy.layout import Layout, PlanRequest
 from dsaserve.deploy.memory import (
     FP8_BYTES,
     kv_bytes_per_token,
+    layer_split_kv_bytes_per_token,
     main_params,
     mtp_params,
     weight_bytes,
@@ -16,6 +17,7 @@ from dsaserve.deploy.memory import (
 )
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
+from dsaserve.deploy.report import render_plan
 
 GLM = BUILTIN_MODELS["GLM-5.3"]
 DSV32 = BUILTIN_MODELS["DeepSeek-V3.2"]
@@ -158,3 +160,23 @@ def test_report_follows_layout_fields():
     assert r.budget_bytes_per_gpu == int(p_hw.memory_bytes * 0.5)
     assert r.kv_bytes_per_token == 61_464
     assert r.params_mtp == 0
+
+
+def test_layer_split_kv_per_rank_by_hand():
+    """One CP rank under LayerSplit: MLA entries (1152 B bf16) of ceil(L / cp) main layers, one
+    scratch layer and the MTP layer; the indexer keys (132 B) of every layer."""
+    assert layer_split_kv_bytes_per_token(GLM, "bf16", 8, with_mtp=True) == 12 * 1152 + 79 * 132
+    assert layer_split_kv_bytes_per_token(DSV32, "bf16", 8) == 9 * 1152 + 61 * 132
+    assert layer_split_kv_bytes_per_token(DSV32, "bf16", 2) == 32 * 1152 + 61 * 132
+    assert layer_split_kv_bytes_per_token(DSV32, "fp32", 2) == 32 * 576 * 4 + 61 * 128 * 4
+
+
+def test_memory_report_shows_layer_split_when_cp_is_planned():
+    cp = plan(PlanRequest(context_parallel="interleave"))
+    assert (cp.memory.cp_size, cp.memory.kv_bytes_per_token_layer_split) == (8, 24_252)
+    assert cp.to_json()["memory"]["kv_bytes_per_token_layer_split"] == 24_252
+    row = "KV, LayerSplit   24,252 B per token per CP rank (24%, 8 ranks)"
+    assert row in render_plan(cp)
+    plain = plan(PlanRequest())
+    assert plain.memory.kv_bytes_per_token_layer_split == 0
+    assert "LayerSplit" not in render_plan(plain)

@@ -127,6 +127,7 @@ REFUSES: list[tuple[str, PlanRequest]] = [
     ("cp-no-zigzag", R(context_parallel="zigzag")),
     ("cp-not-on-decode", R(context_parallel="interleave", pd="decode")),
     ("cp-hopper-only", R(hardware="B200", context_parallel="interleave")),
+    ("cp-kv-unquantised", R(context_parallel="interleave", kv_cache_dtype="fp8_e4m3")),
     ("cp-single-node", R(model="GLM-5.3-BF16", hardware="H200", nodes=2,
                          context_parallel="interleave")),
     ("amd-no-mtp", R(hardware="MI300X", speculative="mtp")),

@@ -96,10 +96,12 @@ def test_engine_paths_equal_plain(family, args):
 
 
 def test_row_blocked_prefill_equals_plain(family, monkeypatch):
-    """A tiny workspace splits every prefill run's indexer and attention into blocks of a few
-    rows (what bounds memory for long prompts)."""
+    """A tiny workspace splits every prefill run's attention into blocks of a few rows, and the
+    indexer's scan into blocks of 3 rows x 5 keys (what bounds memory for long prompts)."""
     folder, prompts, alone = family
     monkeypatch.setattr("dsaserve.layers.indexer.WORKSPACE", 256)
+    monkeypatch.setattr("dsaserve.layers.indexer_scan.ROWS", 3)
+    monkeypatch.setattr("dsaserve.layers.indexer_scan.KEY_TILE", 5)
     llm = LLM(folder, max_total_tokens=KV, page_size=16)
     assert_same(generate(llm, prompts, NEW), alone, "row-blocked")
 

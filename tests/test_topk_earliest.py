@@ -27,6 +27,20 @@ def test_matches_stable_sort_on_ties(dtype, length, k):
         assert torch.equal(got, _expected(scores, k)), f"{distinct} distinct values"
 
 
+def test_rows_with_and_without_a_tie_at_the_cut_in_one_call():
+    """Rows settled by one top-k (k-th score above the (k+1)-th) and rows that need the
+    tie-break, mixed in one [2, 5, L] tensor, each as the stable sort picks it."""
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randn(2, 5, 90, generator=generator)
+    scores[0, 1] = scores[0, 1].round()  # many equal values around the cut
+    scores[1, 3, 40:] = 0.0  # a run of zeros
+    scores[1, 3, :40] = -1.0
+    scores[1, 4, 50:] = float("-inf")
+    got = topk_earliest(scores, 12)
+    assert torch.equal(got, _expected(scores, 12))
+    assert got[1, 3].tolist() == list(range(40, 52))
+
+
 def test_rule_is_independent_of_padding_and_batch():
     """A row's picks over its valid prefix do not depend on how far it is padded with -inf (a
     decode batch pads to the longest context) nor on the other rows."""

@@ -9,6 +9,7 @@ from dsaserve.deploy.layout import Layout
 from dsaserve.deploy.memory import (
     ParamCounts,
     kv_bytes_per_token,
+    layer_split_kv_bytes_per_token,
     main_params,
     mtp_params,
     weight_bytes,
@@ -36,6 +37,9 @@ class MemoryReport:
     kv_ranks: int
     tokens_per_request: int
     hicache_host_bytes_per_gpu: int
+    cp_size: int = 1  # --attn-cp-size when context parallelism is planned
+    # one CP rank's KV bytes per token with --enable-dsa-cache-layer-split (0: no CP planned)
+    kv_bytes_per_token_layer_split: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -66,6 +70,9 @@ def memory_report(layout: Layout) -> MemoryReport:
     pool = max(budget - per_gpu, 0)
     kv_served = kv_bytes_per_token(m, layout.kv_dtype, with_mtp)
     hicache_ratio = float(layout.flags.get("--hicache-ratio") or 0.0)
+    planned_cp = "--enable-prefill-cp" in layout.flags
+    cp = int(layout.flags.get("--attn-cp-size") or 1) if planned_cp else 1
+    split = layer_split_kv_bytes_per_token(m, layout.kv_dtype, cp, with_mtp) if cp > 1 else 0
     return MemoryReport(
         precision=precision,
         params_main=main_params(m).total(),
@@ -83,4 +90,6 @@ def memory_report(layout: Layout) -> MemoryReport:
         kv_ranks=layout.kv_ranks,
         tokens_per_request=layout.request.input_len + layout.request.output_len,
         hicache_host_bytes_per_gpu=int(pool * hicache_ratio),
+        cp_size=cp,
+        kv_bytes_per_token_layer_split=split,
     )

@@ -131,15 +131,36 @@ def kv_bytes_per_layer(m: ModelSpec, kv_dtype: str) -> int:
     bf16: (512 + 64) x 2 B; fp8 (FlashMLA's ds_mla): 512 fp8 + 4 fp32 scales + 64 bf16 rope;
     the indexer key is fp8 with one fp32 scale (128 + 4 B) on GPU, fp32 on CPU.
     """
+    return mla_bytes_per_layer(m, kv_dtype) + indexer_bytes_per_layer(m, kv_dtype)
+
+
+def mla_bytes_per_layer(m: ModelSpec, kv_dtype: str) -> int:
+    """One token's MLA entry (latent + rope key) in one layer."""
     if kv_dtype == "fp32":
-        return (m.kv_lora_rank + m.qk_rope_head_dim + m.index_head_dim) * 4
-    indexer = m.index_head_dim + 4
+        return (m.kv_lora_rank + m.qk_rope_head_dim) * 4
     if kv_dtype == "fp8_e4m3":  # the pool's own layout (engine/kv_quant.py): 656 B for GLM-5
-        return mla_entry_bytes(m.kv_lora_rank, m.qk_rope_head_dim) + indexer
-    return 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + indexer
+        return mla_entry_bytes(m.kv_lora_rank, m.qk_rope_head_dim)
+    return 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
+
+
+def indexer_bytes_per_layer(m: ModelSpec, kv_dtype: str) -> int:
+    """One token's indexer key in one layer: fp32 on CPU, fp8 + one fp32 scale otherwise."""
+    return m.index_head_dim * 4 if kv_dtype == "fp32" else m.index_head_dim + 4
 
 
 def kv_bytes_per_token(m: ModelSpec, kv_dtype: str, with_mtp: bool = False) -> int:
     """KV bytes per token over all layers (the MTP layers add their own entries)."""
     layers = m.num_hidden_layers + (m.num_nextn_predict_layers if with_mtp else 0)
     return layers * kv_bytes_per_layer(m, kv_dtype)
+
+
+def layer_split_kv_bytes_per_token(
+    m: ModelSpec, kv_dtype: str, cp: int, with_mtp: bool = False
+) -> int:
+    """One CP rank's KV bytes per token under LayerSplit (distributed/layer_split.py): the MLA
+    entries of its ceil(L / cp) main layers, one scratch layer for the others' fetched entries,
+    every MTP layer; the indexer keys of every layer stay whole."""
+    mtp = m.num_nextn_predict_layers if with_mtp else 0
+    held = -(-m.num_hidden_layers // cp) + 1 + mtp
+    indexed = m.num_hidden_layers + mtp
+    return held * mla_bytes_per_layer(m, kv_dtype) + indexed * indexer_bytes_per_layer(m, kv_dtype)

@@ -69,6 +69,11 @@ def _render_memory(r: MemoryReport) -> list[str]:
          f"{r.total_tokens:,}"),
         ("concurrency", f"{r.concurrency:,} requests of {r.tokens_per_request:,} tokens"),
     ]  # fmt: skip
+    if r.kv_bytes_per_token_layer_split:
+        share = r.kv_bytes_per_token_layer_split / r.kv_bytes_per_token_served
+        rows.append(("KV, LayerSplit", f"{r.kv_bytes_per_token_layer_split:,} B per token per "
+                     f"CP rank ({share:.0%}, {r.cp_size} ranks) with "
+                     "--enable-dsa-cache-layer-split (pool not sized up for it)"))  # fmt: skip
     if r.hicache_host_bytes_per_gpu:
         rows.append(("HiCache host", f"{_gib(r.hicache_host_bytes_per_gpu)} per GPU"))
     return ["Memory fit:"] + [f"  {name:<16} {value}" for name, value in rows]

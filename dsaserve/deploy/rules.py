@@ -164,6 +164,13 @@ def _cp_hopper(lay: Layout) -> str | None:
     return None
 
 
+@rule("cp-kv-unquantised", "dsaserve's CP all-gathers move unquantised entries: KV bf16.")
+def _cp_kv(lay: Layout) -> str | None:
+    if lay.request.context_parallel and lay.request.kv_cache_dtype == "fp8_e4m3":
+        raise Refuse("--context-parallel with --kv-cache-dtype fp8_e4m3: use the default KV dtype")
+    return None
+
+
 @rule("cp-single-node", "Prefill CP needs tp <= 8 (a single node).")
 def _cp_single_node(lay: Layout) -> str | None:
     if lay.request.context_parallel and lay.tp > 8:

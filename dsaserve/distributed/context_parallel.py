@@ -31,8 +31,8 @@ from dsaserve.distributed.layer_split import check_layer_split, fetch_layer
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Selection, row_blocks
+from dsaserve.layers.indexer_scan import causal_topk
 from dsaserve.layers.rotary import apply_rotary
-from dsaserve.layers.topk import topk_earliest
 
 ZIGZAG_REFUSAL = ("--cp-strategy zigzag is temporarily unavailable for GLM-5.3 and DeepSeek-V3.2;"
                   " use --cp-strategy interleave with --dp 1")  # fmt: skip
@@ -176,13 +176,7 @@ def _select(ix: Any, seq, q, weights, pos, cache) -> torch.Tensor | None:
     if seq.ctx_len <= ix.topk:
         return None
     keys = gather_rows(cache, seq.ctx_slots).float()
-    picks = [torch.zeros(0, ix.topk, dtype=torch.long, device=pos.device)]
-    for block in row_blocks(len(pos), ix.n_heads * seq.ctx_len):
-        scores = torch.relu(torch.einsum("nhd,ld->nhl", q[block].float(), keys))
-        scores = torch.einsum("nh,nhl->nl", weights[block], scores)
-        causal = torch.arange(seq.ctx_len, device=pos.device)[None, :] <= pos[block][:, None]
-        picks.append(topk_earliest(scores.masked_fill(~causal, float("-inf")), ix.topk))
-    return torch.cat(picks)
+    return causal_topk(q, weights, keys, pos, ix.topk)
 
 
 def _attend(attn: Any, q, ctx, pos, selected: torch.Tensor | None) -> torch.Tensor:
@@ -195,7 +189,7 @@ def _attend(attn: Any, q, ctx, pos, selected: torch.Tensor | None) -> torch.Tens
             keys = ctx.expand(rows.stop - rows.start, -1, -1)
             allowed = torch.arange(ctx.shape[0], device=limit.device)[None, :] <= limit
         else:
-            keys = ctx[selected[rows]]
+            keys = gather_rows(ctx, selected[rows])
             allowed = selected[rows] <= limit
         out[rows] = attn._softmax_attend(q[rows], keys, allowed)
     return out

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dsaserve.engine.kv_quant import KV_STORE
+from dsaserve.layers.indexer_scan import decode_scores
 from dsaserve.layers.topk import topk_earliest
 from dsaserve.models.fp8 import dequantize_block_fp8
 
@@ -24,9 +25,9 @@ def indexer_scores(
 
 
 def indexer_decode_topk(q, weights, cache, slots, valid, k: int) -> torch.Tensor:
-    """Top-k positions [B, k] (into slots' columns, earlier wins ties) of the decode rows."""
-    keys = KV_STORE.read_key(cache, slots, torch.float32)  # [B, L, D]
-    return topk_earliest(indexer_scores(q, weights, keys, valid), k)
+    """Top-k positions [B, k] (into slots' columns, earlier wins ties) of the decode rows: the
+    scores of `indexer_scores`, key tile by key tile (layers/indexer_scan.py)."""
+    return topk_earliest(decode_scores(q, weights, cache, slots, valid), k)
 
 
 def softmax_attend(q, keys, allowed, rank: int, scale: float) -> torch.Tensor:

@@ -16,8 +16,8 @@ from torch import nn
 
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch
 from dsaserve.engine.kv_quant import KV_STORE
+from dsaserve.layers.indexer_scan import causal_topk
 from dsaserve.layers.rotary import apply_rotary
-from dsaserve.layers.topk import topk_earliest
 from dsaserve.model_config import ModelConfig
 
 WORKSPACE = 1 << 24  # elements of the largest score/gather buffer one row block may take
@@ -84,17 +84,9 @@ class Indexer(nn.Module):
         if seq.ctx_len <= self.topk:
             return None
         keys = KV_STORE.read_key(cache, seq.ctx_slots, torch.float32)  # [L, dI]
-        first = seq.ctx_len - seq.q_len
-        picks = []
-        for block in row_blocks(seq.q_len, self.n_heads * seq.ctx_len):
-            rows = slice(seq.q_start + block.start, seq.q_start + block.stop)
-            scores = torch.relu(torch.einsum("nhd,ld->nhl", q[rows].float(), keys))
-            scores = torch.einsum("nh,nhl->nl", weights[rows], scores)  # [b, L]
-            pos = first + torch.arange(block.start, block.stop)
-            causal = torch.arange(seq.ctx_len)[None, :] <= pos[:, None]
-            scores = scores.masked_fill(~causal, float("-inf"))
-            picks.append(topk_earliest(scores, self.topk))
-        return torch.cat(picks)  # [n, topk]
+        rows = slice(seq.q_start, seq.q_start + seq.q_len)
+        positions = seq.ctx_len - seq.q_len + torch.arange(seq.q_len, device=q.device)
+        return causal_topk(q[rows], weights[rows], keys, positions, self.topk)  # [n, topk]
 
     def _select_decode(self, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
         if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:

@@ -14,7 +14,7 @@ from dsaserve.distributed.context_parallel import context_parallel
 from dsaserve.distributed.layer_split import fetch_layer
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch
+from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.engine.kv_quant import KV_STORE
 from dsaserve.kernels.reference import softmax_attend
 from dsaserve.layers.indexer import Indexer, Selection, row_blocks
@@ -112,7 +112,7 @@ class MLAttention(nn.Module):
                 keys = ctx.expand(rows.stop - rows.start, -1, -1)  # [b, L, 576] (a view)
                 allowed = torch.arange(seq.ctx_len)[None, :] <= pos[:, None]
             else:
-                keys = ctx[selected[rows]]  # [b, k, 576]
+                keys = gather_rows(ctx, selected[rows])  # [b, k, 576]
                 allowed = selected[rows] <= pos[:, None]
             out[rows] = self._softmax_attend(q[rows], keys, allowed)
         return out

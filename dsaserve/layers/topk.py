@@ -7,9 +7,11 @@ full-sequence reference would keep different keys for the same query over the sa
 this rule the selection is a function of the scores over the row's valid prefix only: positions
 past it (masked to -inf) never win over finite ones and padding length does not matter.
 
-Cost stays O(length) per row: one `topk` finds the k-th largest value, then every position
-strictly above it is kept plus the earliest positions equal to it (a cumulative sum over the
-equality mask). No sort of the row. See docs/determinism.md.
+Cost stays O(length) per row, with no sort of the row. One `topk` of k + 1 settles most rows:
+when the k-th largest score is strictly above the (k+1)-th, the k largest are one set whatever
+the tie rule. Only the other rows (a tie at the cut) take the tie-break: every position strictly
+above the k-th value is kept, plus the earliest positions equal to it (a cumulative sum over the
+equality mask). See docs/determinism.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ def topk_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
     length = scores.shape[-1]
     if not 0 < k <= length:
         raise ValueError(f"k={k} must be in [1, {length}]")
+    if k == length:  # every position
+        return torch.arange(length, device=scores.device).expand_as(scores).clone()
+    values, index = scores.topk(k + 1, dim=-1)  # descending
+    picks = index[..., :k].sort(dim=-1).values
+    tied = ~(values[..., k - 1] > values[..., k])  # a tie at the cut (or NaN)
+    if bool(tied.any()):
+        picks[tied] = _break_ties(scores[tied], k)
+    return picks
+
+
+def _break_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_earliest of rows [R, length] whose k-th and (k+1)-th scores may be equal."""
+    length = scores.shape[-1]
     kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
     above = scores > kth
     tied = scores == kth

@@ -326,6 +326,11 @@ function renderMemory(memory) {
     ["tokens that fit", `${num(m.tokens_per_rank)} per KV pool × ${m.kv_ranks} = ${num(m.total_tokens)}`],
     ["concurrency", `${num(m.concurrency)} requests of ${num(m.tokens_per_request)} tokens`],
   ];
+  if (m.kv_bytes_per_token_layer_split) {
+    const share = Math.round((100 * m.kv_bytes_per_token_layer_split) / m.kv_bytes_per_token_served);
+    rows.push(["KV, LayerSplit", `${num(m.kv_bytes_per_token_layer_split)} B per token per CP rank `
+      + `(${share}%, ${m.cp_size} ranks) with --enable-dsa-cache-layer-split (pool not sized up for it)`]);
+  }
   if (m.hicache_host_bytes_per_gpu) rows.push(["HiCache host", `${gib(m.hicache_host_bytes_per_gpu)} per GPU`]);
   const table = el("table", { className: "fit" }, ...rows.map(([name, value]) => el("tr", {},
     el("th", { textContent: name }), el("td", { textContent: value }))));
