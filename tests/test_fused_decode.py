@@ -42,6 +42,7 @@ def test_native_decode_builds():
         pytest.skip("no C++ compiler here")
     assert cpu_decode.extension() is not None
 
+
 CASES = [
     ("glm", 0, {"indexer_types": ["full", "shared", "full"]}),
     ("deepseek", 2, {"index_topk": 16}),
