@@ -291,14 +291,17 @@ def check_exact(args, model_path: Path, bin_dir: Path, gguf: Path, engine, vocab
     with LlamaServer(bin_dir, gguf, 1, 1, 1024) as server:
         for i, prompt in enumerate(prompts):
             expected = reference_greedy(model_path, prompt, args.check_tokens)
-            llama = until_eog(server.complete(prompt, args.check_tokens, False)["tokens"], eog)
+            answer = server.complete(prompt, args.check_tokens, False)
+            llama = until_eog(answer["tokens"], eog)
             ours = dsaserve_tokens(engine, prompt, args.check_tokens, f"check-{i}")
             upto = until_eog(expected, eog)
-            checks.append({"prompt_len": len(prompt), "llamacpp_matches": llama == upto,
+            # where the reference writes an end token, llama.cpp must stop there on one
+            ended = len(upto) == len(expected) or answer.get("stop_type") == "eos"
+            checks.append({"prompt_len": len(prompt), "llamacpp_matches": llama == upto and ended,
                            "llamacpp_compared": len(upto), "dsaserve_matches": ours == expected,
                            "dsaserve_compared": len(expected)})  # fmt: skip
             print(
-                f"exactness, prompt of {len(prompt)}: llama.cpp {llama == upto} (first "
+                f"exactness, prompt of {len(prompt)}: llama.cpp {llama == upto and ended} (first "
                 f"{len(upto)} tokens, up to an end token), dsaserve {ours == expected} "
                 f"({len(expected)} tokens)",
                 flush=True,

@@ -94,3 +94,11 @@ def test_summary_takes_medians_and_ratios_and_the_table_lists_every_run():
 def test_random_prompts_differ_per_seed_and_avoid_special_ids():
     a, b = llamacpp.random_prompt(64, 1319, 1), llamacpp.random_prompt(64, 1319, 2)
     assert a != b and min(a + b) >= 32 and max(a + b) < 1319
+
+
+def test_the_exactness_check_compares_llamacpp_up_to_the_first_end_token():
+    """llama-server bans end tokens under ignore_eos, so its tokens are compared with the
+    reference's up to the first end token (where it must have stopped)."""
+    assert llamacpp.until_eog([5, 6, 7, 8, 7], {7, 9}) == [5, 6]
+    assert llamacpp.until_eog([5, 6], {7}) == [5, 6]
+    assert llamacpp.until_eog([9, 5], {7, 9}) == []
