@@ -324,6 +324,8 @@ class Generator:
         kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
         tools = self._tools_for(kind)
         turns = 1 + (rng.random() < 0.25)
+        if kind == "json":  # one turn: its system message (if any) then stays before the user's
+            turns = 1
         for turn in range(turns):
             k = kind if turn == turns - 1 else rng.choice(["pct", "greet", "weather", "mul"])
             if k in ("weather", "time", "search") and not tools:

@@ -3,10 +3,11 @@
 Clients that send `response_format` (a JSON schema such as `{"answer": number}`) usually also ask
 for JSON in the prompt; the server then constrains `content` to the schema (after `</think>`
 when thinking is on). These turns teach the model what to write there: the same digit-level
-trace as a plain answer (in the reasoning, or in a `"reasoning"` string field when thinking is
-off and the prompt asks for one), then compact JSON (`{"answer": 36}`, the separators the
-grammar backends generate) whose number is the trace's result. The key is `answer` unless the
-prompt names another one. Without a JSON request the model still answers in prose.
+trace as a plain answer (in the reasoning, or, thinking off, in a `"reasoning"` string field the
+prompt asks for: a number without its trace would be a guess), then compact JSON
+(`{"answer": 36}`, the separators the grammar backends generate) whose number is the trace's
+result. The key is `answer` unless the prompt names another one. Without a JSON request the
+model still answers in prose.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def json_turn(
 ) -> list[dict]:
     """[system?], user and assistant messages: the question asked for JSON, answered in JSON."""
     key = "answer" if rng.random() < 0.7 else rng.choice(OTHER_KEYS)
-    reasoned = not thinking and rng.random() < 0.5
+    reasoned = not thinking  # without thinking, the trace goes into the JSON
     messages = []
     if reasoned:
         user = rng.choice(ASK_REASONED).format(q=question, k=key)
