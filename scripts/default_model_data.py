@@ -19,6 +19,8 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
+from default_model_json import json_turn
+
 WEATHER_TOOL = {
     "type": "function",
     "function": {
@@ -91,9 +93,10 @@ TOPICS = [
 PERCENTS = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 60, 70, 80, 90]
 THINK_KINDS = ("think", "nothink")
 # Conversation kinds and their sampling weights. Runs before run F used search=6 (and so
-# pct=44, mul=12); held-out search topics were then copied only half the time.
+# pct=44, mul=12); held-out search topics were then copied only half the time. "json" (answers
+# asked for in JSON, run J) is last with weight 0, so the default draws are those of runs A-H.
 KIND_WEIGHTS = {"pct": 38, "mul": 10, "greet": 6, "weather": 14, "time": 6, "search": 18,
-                "nowtool": 3}  # fmt: skip
+                "nowtool": 3, "json": 0}  # fmt: skip
 
 
 @dataclass
@@ -207,6 +210,18 @@ class Generator:
             return user, {"role": "assistant", "reasoning_content": trace, "content": final}
         return user, {"role": "assistant", "content": f"{trace} So {final}"}
 
+    def json_turn(self, thinking: bool) -> list[dict]:
+        """A percentage (or multiplication) question asked and answered in JSON."""
+        if self.rng.random() < 0.8:
+            pct, number = self.rng.choice(self.pct_pairs)
+            trace, answer = pct_trace(pct, number)
+            question = self.rng.choice(PCT_QUESTIONS).format(p=pct, n=number)
+        else:
+            a, b = self.rng.choice(self.mul_pairs)
+            trace, answer = mul_trace(a, b), str(a * b)
+            question = self.rng.choice(MUL_QUESTIONS).format(a=a, b=b)
+        return json_turn(self.rng, question, trace, int(answer), thinking)
+
     def greet_turn(self, thinking: bool, effort: str | None) -> tuple[str, dict]:
         user, reason, reply = self.rng.choice(GREETINGS)
         if effort == "low":
@@ -309,6 +324,8 @@ class Generator:
         kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
         tools = self._tools_for(kind)
         turns = 1 + (rng.random() < 0.25)
+        if kind == "json":  # one turn: its system message (if any) then stays before the user's
+            turns = 1
         for turn in range(turns):
             k = kind if turn == turns - 1 else rng.choice(["pct", "greet", "weather", "mul"])
             if k in ("weather", "time", "search") and not tools:
@@ -341,6 +358,8 @@ class Generator:
             if thinking:
                 msg["reasoning_content"] = "The user asks for the weather, but I have no tools."
             return [{"role": "user", "content": user}, msg]
+        if kind == "json":
+            return self.json_turn(thinking)
         if kind == "mul":
             user, msg = self.mul_turn(thinking)
         elif kind == "greet":

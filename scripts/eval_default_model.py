@@ -2,7 +2,9 @@
 
 Reports: % correct percentage answers (answer after `</think>`, reasoning non-empty), % tool
 prompts giving a well-formed call with the right name and correctly typed arguments, % answers
-after a tool response that use the response, and the MTP layer's top-1 accuracy of token t+2.
+after a tool response that use the response, the MTP layer's top-1 accuracy of token t+2, and
+(`--json-percent`) % percentage questions asked for in JSON ("… Answer in JSON.", no grammar)
+whose content is exactly `{"answer": N}` with the right N.
 DSA top-k is on throughout (the config's index_topk). Run:
   python scripts/eval_default_model.py --model dsaserve/assets/default_model --json out.json
 """
@@ -78,6 +80,22 @@ def eval_percent(model, tokenizer, gen: Generator, count: int) -> dict:
         if len(examples) < 3 or not ok:
             examples.append({"q": question, "out": text, "ok": ok})
     return {"percent_correct": correct / count, "n": count, "examples": examples[:8]}
+
+
+def eval_json_percent(model, tokenizer, gen: Generator, count: int) -> dict:
+    correct, failures = 0, []
+    for i in range(count):
+        pct, number = gen.pct_pairs[i * 7 % len(gen.pct_pairs)]
+        question = f"What is {pct}% of {number}? Answer in JSON."
+        text = generate(model, tokenizer, [{"role": "user", "content": question}], None)
+        reasoning, content = split_reasoning(text)
+        want = json.dumps({"answer": int(pct_trace(pct, number)[1])}) + "<|user|>"
+        ok = bool(reasoning.strip()) and content == want
+        correct += ok
+        if not ok:
+            failures.append({"q": question, "out": text})
+    return {"json_percent_correct": correct / count, "json_n": count,
+            "json_failures": failures[:8]}  # fmt: skip
 
 
 def eval_tools(model, tokenizer, gen: Generator, count: int) -> dict:
@@ -165,6 +183,7 @@ def main() -> None:
     parser.add_argument("--percent", type=int, default=100)
     parser.add_argument("--tools", type=int, default=60)
     parser.add_argument("--mtp-samples", type=int, default=400)
+    parser.add_argument("--json-percent", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -178,6 +197,8 @@ def main() -> None:
         report |= eval_percent(model, tokenizer, gen, args.percent)
     if args.tools:
         report |= eval_tools(model, tokenizer, gen, args.tools)
+    if args.json_percent:
+        report |= eval_json_percent(model, tokenizer, Generator(4321, "test"), args.json_percent)
     if args.mtp_samples:
         report |= eval_mtp(model, args.model, tokenizer, args.mtp_samples)
     for question, tools in (

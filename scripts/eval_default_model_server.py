@@ -5,6 +5,10 @@ Same held-out prompts as scripts/eval_default_model.py (Generator(4321, "test"))
   is the answer (tools offered on every third prompt);
 - tools: exactly one parsed call with the expected name and typed arguments, finish_reason
   "tool_calls"; then, after the tool response, the final answer uses the result;
+- JSON answers (`--json-percent`): the same percentage questions, no JSON asked for in the
+  prompt, under `response_format` json_schema: `{"answer": number}` with thinking on, and
+  `{"reasoning": string, "answer": number}` with thinking off; correct iff the content
+  validates and its answer is the right number;
 - the guide's two examples (15% of 240; weather in Paris), reported separately.
 Starts `dsaserve serve` on a free port (tests/server_harness.py: always stopped) unless --base-url:
   python scripts/eval_default_model_server.py --percent 40 --tools 24 --json out.json
@@ -21,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 from openai import OpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,8 +39,15 @@ NUMBER = re.compile(r"\d+(?:\.\d+)?")
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
-def chat(client: OpenAI, messages: list, tools=None, extra=None, max_tokens: int = 200):
+ANSWER = {"type": "object", "properties": {"answer": {"type": "number"}}, "required": ["answer"]}
+REASONED = {"type": "object", "required": ["reasoning", "answer"], "properties": {
+    "reasoning": {"type": "string", "maxLength": 400}, "answer": {"type": "number"}}}  # fmt: skip
+
+
+def chat(client: OpenAI, messages: list, tools=None, extra=None, max_tokens: int = 200, fmt=None):
     kw = {"tools": tools} if tools else {}
+    if fmt is not None:
+        kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "a", "schema": fmt}}
     reply = client.chat.completions.create(
         model="default",
         messages=messages,
@@ -97,6 +109,34 @@ def eval_percent(client: OpenAI, gen: Generator, count: int) -> dict:
         "percent_n": count,
         "percent_failures": failures[:8],
     }
+
+
+def json_ok(out: dict, schema: dict, answer: str) -> bool:
+    try:
+        value = json.loads(out["content"])
+        jsonschema.validate(value, schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return value["answer"] == float(answer)
+
+
+def eval_json_percent(client: OpenAI, gen: Generator, count: int) -> dict:
+    report = {"json_percent_n": count}
+    for key, schema, extra in (
+        ("json_answer", ANSWER, None),
+        ("json_reasoned", REASONED, NO_THINK),
+    ):
+        correct, failures = 0, []
+        for i in range(count):
+            pct, number = gen.pct_pairs[i * 7 % len(gen.pct_pairs)]
+            question = [{"role": "user", "content": f"What is {pct}% of {number}?"}]
+            out = chat(client, question, ALL_TOOLS if i % 3 == 0 else None, extra, 300, schema)
+            ok = json_ok(out, schema, pct_trace(pct, number)[1])
+            correct += ok
+            if not ok:
+                failures.append({"q": question[0]["content"], **out})
+        report |= {f"{key}_correct": correct / count, f"{key}_failures": failures[:8]}
+    return report
 
 
 def eval_tools(client: OpenAI, gen: Generator, count: int) -> dict:
@@ -170,6 +210,7 @@ def main() -> None:
     parser.add_argument("--base-url", help="evaluate this running server, e.g. http://host:30000")
     parser.add_argument("--percent", type=int, default=40)
     parser.add_argument("--tools", type=int, default=24)
+    parser.add_argument("--json-percent", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the server")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -187,17 +228,26 @@ def main() -> None:
             report |= eval_percent(client, gen, args.percent)
         if args.tools:
             report |= eval_tools(client, gen, args.tools)
+        if args.json_percent:
+            report |= eval_json_percent(client, Generator(4321, "test"), args.json_percent)
         report |= eval_guide(client)
         report["eval_seconds"] = round(time.time() - start, 1)
     rows = [
         ("percentage correct (reasoning non-empty)", "percent_correct", "percent_n", ">= 90%"),
         ("tool call right name + typed args", "tool_call_correct", "tools_n", ">= 95%"),
         ("answer after tool response uses it", "answer_uses_result", "tools_n", "-"),
+        ("JSON {answer} right, thinking on", "json_answer_correct", "json_percent_n", "-"),
+        (
+            "JSON {reasoning, answer} right, thinking off",
+            "json_reasoned_correct",
+            "json_percent_n",
+            "-",
+        ),
     ]
-    print(f"{'metric':44} {'n':>4} {'rate':>7}  target")
+    print(f"{'metric':48} {'n':>4} {'rate':>7}  target")
     for label, key, n, target in rows:
         if key in report:
-            print(f"{label:44} {report[n]:>4} {report[key]:>7.1%}  {target}")
+            print(f"{label:48} {report[n]:>4} {report[key]:>7.1%}  {target}")
     print(
         f"guide 15% of 240 -> 36: {report['guide_15pct_of_240_ok']}   "
         f"guide weather in Paris -> get_weather(Paris): {report['guide_weather_paris_ok']}"

@@ -89,9 +89,23 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def trained_part(model, last: int) -> torch.nn.Module:
+    """The module fine-tuned: the whole model, or (`last` > 0) only its last `last` decoder
+    layers and final norm, the rest frozen (embeddings and lm_head, which the MTP layer shares,
+    included); the routers of frozen layers are not rebalanced either."""
+    if not last:
+        return model
+    model.requires_grad_(False)
+    part = torch.nn.ModuleList([*model.model.layers[-last:], model.model.norm])
+    part.requires_grad_(True)
+    return part
+
+
 def train_main(model, stream, args, log) -> None:
-    balance = RouterBalance(model, rate=1e-3)
-    optim = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    part = trained_part(model, args.train_last)
+    balance = RouterBalance(part, rate=1e-3)
+    params = [p for p in part.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sparse_from = int(args.steps * args.dense_fraction)
     start = time.time()
     model.train()
@@ -104,10 +118,10 @@ def train_main(model, stream, args, log) -> None:
         loss = lm_loss(model.lm_head, out.hidden, batch.input_ids, batch.loss_mask)
         optim.zero_grad(set_to_none=True)
         (loss + args.kl_weight * out.kl).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         balance.step()
-        if step % 20 == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == args.steps - 1:
             log({"stage": "main", "step": step, "sparse": sparse, "lm": round(loss.item(), 4),
                  "index_kl": round(out.kl.item(), 4), "tokens": batch.input_ids.numel(),
                  "elapsed_s": round(time.time() - start, 1)})  # fmt: skip
@@ -116,6 +130,7 @@ def train_main(model, stream, args, log) -> None:
         if step + 1 == args.stop_after:
             save_checkpoint(model, None, args.out, args.bf16_weights)
             raise SystemExit(f"stopped after {args.stop_after} steps (--stop-after)")
+    model.requires_grad_(True)
     model.eval()
 
 
@@ -150,6 +165,10 @@ def main() -> None:
     parser.add_argument("--stop-after", type=int, default=0, help="save and exit after N steps")
     parser.add_argument("--init-from", type=Path, help="start from this folder's main weights")
     parser.add_argument("--layers", type=int, default=3, help="main layers (first one dense)")
+    parser.add_argument(
+        "--train-last", type=int, default=0, help="fine-tune only the last N layers (0: all)"
+    )
+    parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--bf16-weights", action="store_true", help="store matrices in bf16")
     parser.add_argument(
         "--mtp-init-from", type=Path, help="start the MTP layer from this folder's MTP"

@@ -181,6 +181,7 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
 
 
 def test_llguidance_backend(server_checkpoint: Path):
+    from dsaserve.grammar.tool_calls import tool_call_grammar
     from dsaserve.server.errors import APIError
     from dsaserve.server.structured import StructuredOutput
 
@@ -196,7 +197,14 @@ def test_llguidance_backend(server_checkpoint: Path):
     for sample in llm.generate(["Hi"], params, use_tqdm=False)[0].samples:
         assert re.fullmatch("(yes|no), [a-z]{2,5}", sample.text), sample.text
     checker = StructuredOutput("llguidance", {})
-    with pytest.raises(APIError, match="need --grammar-backend xgrammar"):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+    checker.check("tool_call_grammar", tool_call_grammar("glm47", [tool], "required", True), "t")
+    tool["function"]["parameters"]["properties"]["a"] = {"type": "string", "pattern": "(x"}
+    with pytest.raises(APIError, match="tool_choice"):
+        checker.check("tool_call_grammar", tool_call_grammar("glm47", [tool], "required", True),
+                      "tool_choice")  # fmt: skip
+    with pytest.raises(APIError, match="format"):
         checker.check("tool_call_grammar", "{}", "tool_choice")
     with pytest.raises(APIError, match="invalid regex"):
         checker.check("regex", "(abc", "regex")

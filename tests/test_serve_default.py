@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 from openai import OpenAI
 from server_harness import running_server
@@ -85,10 +86,18 @@ def test_guide_weather_call_under_tool_choice_required_and_named(client):
         assert message.reasoning_content == free.choices[0].message.reasoning_content
 
 
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"type": "number"}},
+    "required": ["answer"],
+}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+
+
 def test_json_schema_answer_after_free_reasoning(client):
     """The grammar starts after `</think>`: the reasoning is the model's own (it computes 36),
-    the content is JSON that validates. (This model never saw JSON, so the number it writes
-    there is not 36: see docs/server.md, Structured output.)"""
+    the content is JSON that validates. (This checkpoint never saw JSON, so the number it writes
+    there is not 36: see the next test and docs/server.md, Structured output.)"""
     question = [{"role": "user", "content": "What is 15% of 240?"}]
     schema = {
         "type": "object",
@@ -106,4 +115,23 @@ def test_json_schema_answer_after_free_reasoning(client):
     assert "= 36." in message.reasoning_content
     assert reply.choices[0].finish_reason == "stop"
     answer = json.loads(message.content)
-    assert set(answer) == {"answer"} and 0 <= answer["answer"] <= 1000
+    jsonschema.validate(answer, schema)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the embedded checkpoint was not trained on JSON answers yet (issue 19, item 2): "
+    'after `{"answer": 36` it keeps writing digits; see docs/server.md',
+)
+def test_json_schema_answer_is_the_right_number(client):
+    """Issue 19, item 2: under `{"answer": number}` the guide's question gets `{"answer": 36}`.
+    Strict xfail: it starts passing (and so fails here) once the checkpoint is fine-tuned with
+    scripts/finetune_default_model_json.py; then drop the mark."""
+    reply = client.chat.completions.create(
+        model="default", temperature=0, max_tokens=40, response_format=ANSWER_FORMAT,
+        messages=[{"role": "user", "content": "What is 15% of 240?"}],
+    )  # fmt: skip
+    content = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
+    assert json.loads(content)["answer"] == 36, content

@@ -269,3 +269,17 @@ def test_cache_report_is_on_by_default(client: openai.OpenAI, server: Server):
         reply = claude.messages.create(model="m", max_tokens=2, system=long[0]["content"],
                                        messages=[{"role": "user", "content": "hi"}])  # fmt: skip
     assert reply.usage.cache_read_input_tokens >= 16
+
+
+@pytest.fixture(scope="module")
+def llguidance_client(checkpoint: Path):
+    with running_server(checkpoint, "--served-model-name", "glm-test",
+                        "--grammar-backend", "llguidance") as server:  # fmt: skip
+        yield openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+
+
+def test_llguidance_tool_calls_validate(llguidance_client: openai.OpenAI):
+    """`--grammar-backend llguidance` builds the same tool-call grammars (as Lark): forced,
+    named and strict calls validate, streaming included."""
+    test_tool_choice_required_and_named_calls_validate(llguidance_client)
+    test_strict_tools_validate_when_called(llguidance_client)
