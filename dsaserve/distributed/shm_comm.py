@@ -31,7 +31,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
