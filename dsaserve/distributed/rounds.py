@@ -122,6 +122,8 @@ class RankRunner:
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
                 return model()
+            if inputs.op == Op.FORWARD_LOGITS:
+                return model.forward_logits()
             return model.forward_mtp(inputs.hidden, inputs.reuse)
 
     def follow(self) -> None:
@@ -163,6 +165,11 @@ class DistributedModel:
 
     def __call__(self) -> torch.Tensor:
         return self._run(OpInputs(Op.FORWARD, batch=current_batch()))
+
+    def forward_logits(self) -> torch.Tensor:
+        """The installed batch's forward and the logits of its `logits_rows`, in one round
+        (the FORWARD and LOGITS rounds' headers and payloads, once)."""
+        return self._run(OpInputs(Op.FORWARD_LOGITS, batch=current_batch()))
 
     def forward_mtp(
         self, hidden: torch.Tensor, reuse: Selection | None = None

@@ -38,8 +38,9 @@ class ModelRunner:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         with forward_context(batch):
             step = self.decode_step
-            hidden = step(batch) if step is not None and step.accepts(batch) else self.model()
-        return sampled, self.model.logits(hidden[batch.logits_rows])
+            if step is not None and step.accepts(batch):
+                return sampled, self.model.logits(step(batch)[batch.logits_rows])
+            return sampled, self.model.forward_logits()  # one round across ranks
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None
