@@ -3,8 +3,8 @@
 Real processes joined by gloo: the shared-memory all-reduce gives every rank the same bits, equal
 to the rank-order sum and to gloo's all-reduce, through chunks (a tensor larger than a slot),
 non-contiguous and bf16 inputs, many back-to-back calls (the alternating areas), and sub-groups;
-all-gather returns every rank's part; the file is gone once mapped; a rank that never arrives
-makes the others fail after the timeout, naming it.
+all-gather returns every rank's part, broadcast the source's; the file is gone once mapped; a
+rank that never arrives makes the others fail after the timeout, naming it.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def _collectives(rank: int, world: int, port: int) -> None:
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
         everyone = shm.all_gather(x)
         assert all(torch.equal(part, _inputs(r, shape, dtype)) for r, part in enumerate(everyone))
+        assert torch.equal(shm.broadcast(x.clone(), 2), _inputs(2, shape, dtype))
     wide = _inputs(rank, (8, 6))
     column = wide[:, 1]  # not contiguous: summed through a copy, written back in place
     shm.all_reduce(column)

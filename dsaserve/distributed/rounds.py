@@ -78,9 +78,12 @@ class RankRunner:
             self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0]))
 
     def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(header) for _ in range(self.parallel.world)]
         start = time.perf_counter()
-        torch.distributed.all_gather(parts, header, group=self.parallel.cpu_group)
+        if self.parallel.world_shm is not None:
+            parts = self.parallel.world_shm.all_gather(header)
+        else:
+            parts = [torch.empty_like(header) for _ in range(self.parallel.world)]
+            torch.distributed.all_gather(parts, header, group=self.parallel.cpu_group)
         self.sync_seconds += time.perf_counter() - start
         return parts
 
@@ -105,15 +108,22 @@ class RankRunner:
         else:
             ints = torch.empty(int(leader_row[2]), dtype=torch.long)
             floats = torch.empty(int(leader_row[3]), dtype=self.kv_cache.dtype)
-        src = p.sizes.leader(p.dp_rank)
         start = time.perf_counter()
-        torch.distributed.broadcast(ints, src, group=p.attn_cpu_group)
+        self._broadcast(ints)
         if floats.numel():
-            torch.distributed.broadcast(floats, src, group=p.attn_cpu_group)
+            self._broadcast(floats)
         self.sync_seconds += time.perf_counter() - start
         if mine is not None:
             return mine
         return unpack(op, ints, floats, self.kv_cache, self.index_cache, self.device)
+
+    def _broadcast(self, x: torch.Tensor) -> None:
+        """The group leader's x to its attention group."""
+        p = self.parallel
+        if p.attn_shm is not None:
+            p.attn_shm.broadcast(x, 0)
+        else:
+            torch.distributed.broadcast(x, p.sizes.leader(p.dp_rank), group=p.attn_cpu_group)
 
     def _execute(self, inputs: OpInputs) -> Any:
         model = self.model

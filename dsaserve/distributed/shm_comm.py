@@ -18,7 +18,9 @@ before the flag store, flag loads before data loads), so the path is used on x86
 elsewhere, and across nodes, the collectives stay on gloo.
 
 The wait spins briefly, then yields the core (more ranks than cores: the rank it waits for may
-need this one), then sleeps in short steps, and raises after `timeout` seconds (the watchdog).
+need this one), then sleeps in steps growing to 2 ms (a follower waiting for an idle leader's
+next round costs next to no CPU), and raises after `timeout` seconds (the watchdog). The rank
+rounds' op headers and payloads (`rounds.py`) and the model's all-reduces and all-gathers use it.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import torch.distributed as dist
 SLOT_BYTES = 1 << 20  # one rank's share of one message chunk
 FLAG_STRIDE = 16  # int64s per flag: one 128-byte line each
 SPIN = 2000  # flag polls before the wait starts yielding the core
-YIELD_S = 0.005  # ... and seconds of yielding before it sleeps between polls
-SLEEP_S = 0.0002
+YIELD_S = 0.005  # ... and seconds of yielding before it sleeps between polls,
+MAX_SLEEP_S = 0.002  # for 5% of the time waited so far, at most this (an idle server's ranks)
 
 
 def supported(device_type: str, nnodes: int) -> bool:
@@ -98,6 +100,17 @@ class ShmGroup:
             x.copy_(flat.view_as(x))
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Group rank `src`'s x into every rank's x (same shape and dtype), in place."""
+        flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
+        for part in self._chunks(flat):
+            slots = self._exchange(part, write=self.index == src)
+            if self.index != src:
+                part.copy_(slots[src])
+        if flat.data_ptr() != x.data_ptr():
+            x.copy_(flat.view_as(x))
+        return x
+
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's x (same shape and dtype on every rank), in rank order."""
         flat = x.contiguous().view(-1)
@@ -115,13 +128,15 @@ class ShmGroup:
         per = SLOT_BYTES // flat.element_size()
         return [flat[i : i + per] for i in range(0, flat.numel(), per)] or [flat]
 
-    def _exchange(self, part: torch.Tensor) -> list[torch.Tensor]:
-        """Publish `part` (at most a slot); return every rank's part as views of the slots."""
+    def _exchange(self, part: torch.Tensor, write: bool = True) -> list[torch.Tensor]:
+        """Publish `part` (at most a slot; with `write` False only the sequence number); return
+        every rank's part as views of the slots."""
         self.seq += 1
         area = self.data[self.seq % 2]
         nbytes = part.numel() * part.element_size()
         slots = [area[r, :nbytes].view(part.dtype) for r in range(self.size)]
-        slots[self.index].copy_(part)
+        if write:
+            slots[self.index].copy_(part)
         self.flags[self.index] = self.seq
         self._wait(self.seq)
         return slots
@@ -144,5 +159,5 @@ class ShmGroup:
             if waited < YIELD_S:
                 os.sched_yield()
             else:
-                time.sleep(SLEEP_S)
+                time.sleep(min(MAX_SLEEP_S, 0.05 * waited))
         self.wait_seconds += time.perf_counter() - start
