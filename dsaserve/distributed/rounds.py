@@ -39,6 +39,9 @@ class RankRunner:
         self.kv_cache, self.index_cache = kv_cache, index_cache
         self.parallel = parallel
         self.device = device
+        # the hidden states' dtype (the payload's float buffer): the compute dtype, which a
+        # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -99,7 +102,7 @@ class RankRunner:
         p = self.parallel
         if not runs:
             hidden = self.model.config.hidden_size
-            return empty(op, hidden, self.kv_cache.dtype, self.kv_cache, self.index_cache,
+            return empty(op, hidden, self.dtype, self.kv_cache, self.index_cache,
                          self.device)  # fmt: skip
         if p.attn_tp == 1:
             return mine
@@ -107,7 +110,7 @@ class RankRunner:
             ints, floats = buffers
         else:
             ints = torch.empty(int(leader_row[2]), dtype=torch.long)
-            floats = torch.empty(int(leader_row[3]), dtype=self.kv_cache.dtype)
+            floats = torch.empty(int(leader_row[3]), dtype=self.dtype)
         start = time.perf_counter()
         self._broadcast(ints)
         if floats.numel():
