@@ -85,7 +85,7 @@ def run(model: Path, tp: int, args: argparse.Namespace, gloo: bool = False) -> d
     tokens = sum(len(o.token_ids) for o in outs)
     steps = args.output_len  # one decode step per output token (prefill: the first)
     record = {
-        "tp": tp, "collectives": "gloo" if gloo or tp == 1 else "shared memory",
+        "tp": tp, "collectives": "none" if tp == 1 else ("gloo" if gloo else "shared memory"),
         "output_tokens": tokens, "seconds": round(wall, 3),
         "output_tok_s": round(tokens / wall, 1), "ms_per_step": round(1000 * wall / steps, 2),
         "collective_ms_per_step": round(1000 * (parallel.comm_seconds - comm0) / steps, 2),

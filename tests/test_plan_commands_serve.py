@@ -131,7 +131,7 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
         if key in pd_roles:
             continue
         with running_server(checkpoint, *flags) as server:
-            client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+            client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
             out = client.completions.create(model="m", prompt="Hello", max_tokens=3)
             assert out.choices[0].finish_reason in ("length", "stop"), key
             pgid = server.process.pid
