@@ -8,17 +8,18 @@ the CPU plan of a tiny checkpoint folder. Each is rewritten only where this mach
 model path (a tiny random GLM checkpoint with an MTP layer, heads and experts divisible by 4),
 `--host` and `--port` (an OS-chosen port; the harness also sets a 4096-token KV pool, which is
 what `--mem-fraction-static`, a GPU's share, would size). One command per distinct layout is
-started (the one with the most flags), sent one request with the openai SDK and stopped; its
-process tree must be empty afterwards. Every other command must pass the same start-up checks
-or be refused with one of the messages the README lists. PD-role commands (`--disaggregation-
-mode`) run at tp 1 only, and a prefill or decode answers requests only behind the router with
-its partner: tests/test_pd_router.py starts that trio.
+started (the one with the most flags; see STARTED), sent three requests at once with the openai
+SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
+same start-up checks or be refused with one of the messages the README lists. PD-role commands
+(`--disaggregation-mode`) run at tp 1 only, and a prefill or decode answers requests only
+behind the router with its partner: tests/test_pd_router.py starts that trio.
 """
 
 from __future__ import annotations
 
 import itertools
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -49,6 +50,11 @@ REFUSED = {
     "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }
 REWRITTEN = ("--model-path", "--host", "--port")
+PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
+# Started: each layout once, with and without speculation between them (the DP-attention layouts
+# both ways); the other commands of a layout pass the same start-up checks.
+STARTED = ("tp4 dp1 ep1 dpa0 eagle", "tp4 dp4 ep4 dpa1 plain", "tp4 dp4 ep1 dpa1 eagle",
+           "tp1 dp1 ep1 dpa0 plain")  # fmt: skip
 
 
 def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]]:
@@ -67,6 +73,7 @@ def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]
             for command in p.commands:
                 if command.role != "router":
                     key = f"tp{lay.tp} dp{lay.dp} ep{lay.ep} dpa{int(lay.dp_attention)}"
+                    key += " eagle" if lay.speculative else " plain"
                     key += f" {command.role}" if command.role != "serve" else ""
                     out.append((key, shlex.split(command.dsaserve)[2:]))
     return out
@@ -106,7 +113,9 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
     pairs = [(hw, m) for hw in HARDWARE if not HARDWARE[hw].is_cpu for m in BUILTIN_MODELS]
     found = planned(pairs) + planned([("CPU", str(tiny))], input_len=64, output_len=32)
     layouts = {key for key, _ in found}
-    assert {"tp4 dp1 ep1 dpa0", "tp4 dp4 ep4 dpa1", "tp1 dp1 ep1 dpa0"} <= layouts  # GB300, CPU
+    assert {" ".join(key.split()[:4]) for key in STARTED} == {
+        " ".join(key.split()[:4]) for key in layouts
+    }  # every layout that fits: GB300's three and the CPU plan's
     model = str(checkpoint)
     runnable: dict[str, list[str]] = {}
     refused: set[str] = set()
@@ -125,14 +134,24 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
             runnable[key] = flags
     assert refused == set(REFUSED.values())  # each still-refused kind is really printed
     pd_roles = [key for key in runnable if key.endswith(("prefill", "decode"))]
-    assert {key for key in layouts if not key.endswith(("prefill", "decode"))} <= set(runnable)
     assert pd_roles and all(key.startswith("tp1 ") for key in pd_roles)  # test_pd_router.py
-    for key, flags in sorted(runnable.items()):
-        if key in pd_roles:
-            continue
-        with running_server(checkpoint, *flags) as server:
+    assert set(STARTED) <= set(runnable)
+    first: dict[str, tuple[str, float]] = {}
+    for key in STARTED:
+        with running_server(checkpoint, *runnable[key]) as server:
             client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
-            out = client.completions.create(model="m", prompt="Hello", max_tokens=3)
-            assert out.choices[0].finish_reason in ("length", "stop"), key
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched (and across DP groups)
+                outs = list(pool.map(_greedy, [client] * len(PROMPTS), PROMPTS))
+            first[key] = outs[0].logprobs.tokens[0], outs[0].logprobs.token_logprobs[0]
             pgid = server.process.pid
         assert not group_members(pgid), f"{key}: processes left"
+    # the first greedy token of a 12-token prompt, from the logits of its last row: DP attention
+    # gathers each group's logits rows (not its forward rows) for the LM head
+    (token, logprob), (dp_token, dp_logprob) = first["tp1 dp1 ep1 dpa0 plain"], first[STARTED[1]]
+    assert token == dp_token and abs(logprob - dp_logprob) < 1e-2
+
+
+def _greedy(client: openai.OpenAI, prompt: str):
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0,
+                                    logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    return out.choices[0]

@@ -35,6 +35,13 @@ class OpInputs:
     reuse: Selection | None = None
 
     @property
+    def logits_rows(self) -> int:
+        """Rows whose logits a FORWARD_LOGITS op returns (0 for the other ops)."""
+        if self.op != Op.FORWARD_LOGITS or self.batch is None:
+            return 0
+        return int(self.batch.logits_rows.shape[0])
+
+    @property
     def rows(self) -> int:
         if self.batch is not None:
             return int(self.batch.input_ids.shape[0])

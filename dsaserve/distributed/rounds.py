@@ -1,11 +1,12 @@
 """Lock-step model ops across ranks: every rank calls `round()` the same number of times.
 
-One round: every rank all-gathers a 4-int header (the group leaders put their pending op, its
-rows and its buffer sizes; other ranks zeros). One op kind is chosen (the first pending one,
-scanning from a group that rotates every round, so no group starves); every group that wants
-that kind runs it, its leader broadcasting the inputs (`payload`) to its attention-TP group; all
-other groups join with no tokens, so the MoE/MLP and LM-head collectives, which span every rank,
-always match. A round where nobody has work is a heartbeat. STOP ends every rank's loop.
+One round: every rank all-gathers a 5-int header (the group leaders put their pending op, its
+rows, its buffer sizes and, for FORWARD_LOGITS, its logits rows; other ranks zeros). One op kind
+is chosen (the first pending one, scanning from a group that rotates every round, so no group
+starves); every group that wants that kind runs it, its leader broadcasting the inputs
+(`payload`) to its attention-TP group; all other groups join with no tokens, so the MoE/MLP and
+LM-head collectives, which span every rank, always match. A round where nobody has work is a
+heartbeat. STOP ends every rank's loop.
 
 `DistributedModel` is the leader's stand-in for the model (same calls as DsaMoeForCausalLM), so
 the engine, the speculative decoder and the sampler run unchanged on rank 0 of each group.
@@ -52,10 +53,10 @@ class RankRunner:
         idle leader."""
         p, sizes = self.parallel, self.parallel.sizes
         buffers = pack(mine) if mine is not None else None
-        header = torch.zeros(4, dtype=torch.long)
+        header = torch.zeros(5, dtype=torch.long)
         if mine is not None:
             header[:] = torch.tensor([int(mine.op), mine.rows, buffers[0].numel(),
-                                      buffers[1].numel()])  # fmt: skip
+                                      buffers[1].numel(), mine.logits_rows])  # fmt: skip
         table = self._gather_headers(header)
         leaders = [table[sizes.leader(g)] for g in range(sizes.groups)]
         ops = [int(row[0]) for row in leaders]
@@ -69,16 +70,17 @@ class RankRunner:
         if chosen == Op.IDLE:
             return False, None
         rows = [int(row[1]) if op == chosen else 0 for row, op in zip(leaders, ops)]
+        logits_rows = [int(row[4]) if op == chosen else 0 for row, op in zip(leaders, ops)]
         runs = own_op == chosen
         inputs = self._inputs(chosen, runs, mine, buffers, leaders[p.dp_rank])
         with p.rows(rows):
-            result = self._execute(inputs)
+            result = self._execute(inputs, logits_rows)
         return runs and mine is not None, result
 
     def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
-            self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0]))
+            self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0, 0]))
 
     def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -128,15 +130,17 @@ class RankRunner:
         else:
             torch.distributed.broadcast(x, p.sizes.leader(p.dp_rank), group=p.attn_cpu_group)
 
-    def _execute(self, inputs: OpInputs) -> Any:
+    def _execute(self, inputs: OpInputs, logits_rows: list[int]) -> Any:
         model = self.model
         if inputs.op == Op.LOGITS:
             return model.logits(inputs.hidden)
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
                 return model()
-            if inputs.op == Op.FORWARD_LOGITS:
-                return model.forward_logits()
+            if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
+                hidden = model()
+                with self.parallel.rows(logits_rows):
+                    return model.logits(hidden[inputs.batch.logits_rows])
             return model.forward_mtp(inputs.hidden, inputs.reuse)
 
     def follow(self) -> None:
