@@ -6,7 +6,9 @@ One torch thread per rank (OMP_NUM_THREADS=1), so tp 2 uses two cores where tp 1
 the speed-up is what splitting the weights and the work across ranks buys, less what the
 collectives cost. Models: a random GLM-style checkpoint of >= 100M parameters (fp32) and the
 embedded model. Per run it reports rank 0's time inside the model's collectives (all-reduce,
-all-gather) and in the rank sync (op headers and batch broadcasts), per engine step.
+all-gather) and in the rank sync (op headers and batch broadcasts), per engine step. `tp 2
+gloo` is the same layout with `--disable-custom-all-reduce` (every collective on gloo's TCP
+transport instead of the shared-memory one), so the table shows what each part buys.
 """
 
 from __future__ import annotations
@@ -62,11 +64,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run(model: Path, tp: int, args: argparse.Namespace) -> dict:
+def run(model: Path, tp: int, args: argparse.Namespace, gloo: bool = False) -> dict:
     torch.manual_seed(1)
     llm = LLM(str(model), tp_size=tp, max_running_requests=args.concurrency,
               max_total_tokens=args.concurrency * (args.input_len + args.output_len) * 2,
-              page_size=16)  # fmt: skip
+              page_size=16, disable_custom_all_reduce=gloo)  # fmt: skip
     vocab = llm.engine.model_config.vocab_size
     prompts = [torch.randint(1, vocab, (args.input_len,)).tolist() for _ in range(args.concurrency)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -83,7 +85,8 @@ def run(model: Path, tp: int, args: argparse.Namespace) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     steps = args.output_len  # one decode step per output token (prefill: the first)
     record = {
-        "tp": tp, "output_tokens": tokens, "seconds": round(wall, 3),
+        "tp": tp, "collectives": "none" if tp == 1 else ("gloo" if gloo else "shared memory"),
+        "output_tokens": tokens, "seconds": round(wall, 3),
         "output_tok_s": round(tokens / wall, 1), "ms_per_step": round(1000 * wall / steps, 2),
         "collective_ms_per_step": round(1000 * (parallel.comm_seconds - comm0) / steps, 2),
         "sync_ms_per_step": round(1000 * ((runner.sync_seconds if runner else 0) - sync0)
@@ -109,24 +112,27 @@ def main() -> None:
     results = []
     for name, folder in models.items():
         runs = []
-        for tp in (1, 2):
-            runs.append(run(folder, tp, args))
+        for tp, gloo in ((1, False), (2, False), (2, True)):
+            runs.append(run(folder, tp, args, gloo))
+            runs[-1]["speedup"] = round(runs[-1]["output_tok_s"] / runs[0]["output_tok_s"], 2)
             print(name, runs[-1], flush=True)
-        speedup = runs[1]["output_tok_s"] / runs[0]["output_tok_s"]
         results.append({"model": name, "params": params_of(folder), "runs": runs,
-                        "speedup_tp2": round(speedup, 2)})  # fmt: skip
+                        "speedup_tp2": runs[1]["speedup"]})  # fmt: skip
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"concurrency {args.concurrency}, input {args.input_len}, output {args.output_len}, "
-          "one torch thread per rank")  # fmt: skip
+          f"one torch thread per rank, {when}")  # fmt: skip
     print(
-        f"{'model':14} {'params':>8} {'tp':>3} {'tok/s':>8} {'ms/step':>8} "
+        f"{'model':14} {'params':>8} {'tp':>8} {'tok/s':>8} {'ms/step':>8} "
         f"{'collective ms':>13} {'sync ms':>8} {'CPU s per rank':>16} {'speed-up':>8}"
     )
     for r in results:
         for run_ in r["runs"]:
-            up = f"{r['speedup_tp2']:.2f}x" if run_["tp"] == 2 else ""
+            up = f"{run_['speedup']:.2f}x" if run_["tp"] == 2 else ""
             cpu = "/".join(f"{c:.1f}" for c in run_["cpu_seconds_per_rank"])
+            gloo = run_["collectives"] == "gloo" and run_["tp"] > 1
+            tp = f"{run_['tp']}" + (" gloo" if gloo else "")
             print(
-                f"{r['model']:14} {r['params'] / 1e6:7.1f}M {run_['tp']:>3} "
+                f"{r['model']:14} {r['params'] / 1e6:7.1f}M {tp:>8} "
                 f"{run_['output_tok_s']:>8} {run_['ms_per_step']:>8} "
                 f"{run_['collective_ms_per_step']:>13} {run_['sync_ms_per_step']:>8} "
                 f"{cpu:>16} {up:>8}"
@@ -136,6 +142,7 @@ def main() -> None:
         "input_len": args.input_len,
         "output_len": args.output_len,
         "threads_per_rank": 1,
+        "measured_at": when,
         "results": results,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -59,6 +59,7 @@ class ServerArgs:
     keep_anthropic_billing_header: bool = False
     max_queued_requests: int | None = None
     watchdog_timeout: float = 300.0
+    disable_custom_all_reduce: bool = False  # CPU ranks: gloo instead of shared memory
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     skip_server_warmup: bool = False
@@ -315,6 +316,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     f("--max-queued-requests", type=int)
     f("--watchdog-timeout", type=float)
+    f("--disable-custom-all-reduce", **on)
     f("--shutdown-timeout", type=float)
     f("--log-level", choices=["debug", "info", "warning", "error"])
     f("--skip-server-warmup", **on)

@@ -71,6 +71,9 @@ class ParallelState:
     cpu_group: Any = None  # gloo group for the small host-side messages (headers, payloads)
     attn_group: Any = None  # this rank's attention-TP group (None when attn_tp == 1)
     attn_cpu_group: Any = None
+    # shared-memory collectives over the same ranks (CPU ranks of one node, shm_comm.py)
+    world_shm: Any = None
+    attn_shm: Any = None
     # rows of every attention group in the op being run (set per op by the rank loop)
     group_rows: list[int] = field(default_factory=lambda: [0])
     comm_seconds: float = 0.0  # time spent inside the model's collectives (bench/parallel.py)
@@ -122,16 +125,32 @@ class ParallelState:
         """Sum partial results over the attention-TP group (row-parallel o_proj, embedding)."""
         if self.attn_tp > 1 and x.numel():
             start = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.attn_group)
+            if self.attn_shm is not None:
+                self.attn_shm.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x, group=self.attn_group)
             self.comm_seconds += time.perf_counter() - start
         return x
 
     def all_reduce_world(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1 and x.numel():
             start = time.perf_counter()
-            torch.distributed.all_reduce(x, group=self.world_group)
+            if self.world_shm is not None:
+                self.world_shm.all_reduce(x)
+            else:
+                torch.distributed.all_reduce(x, group=self.world_group)
             self.comm_seconds += time.perf_counter() - start
         return x
+
+    def _all_gather_world(self, x: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        if self.world_shm is not None:
+            parts = self.world_shm.all_gather(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world)]
+            torch.distributed.all_gather(parts, x.contiguous(), group=self.world_group)
+        self.comm_seconds += time.perf_counter() - start
+        return parts
 
     def gather_groups(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of every attention group, in group order (identity without DP attention).
@@ -145,10 +164,7 @@ class ParallelState:
             return x.new_zeros(0, *x.shape[1:])
         padded = x.new_zeros(width, *x.shape[1:])
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        start = time.perf_counter()
-        torch.distributed.all_gather(parts, padded, group=self.world_group)
-        self.comm_seconds += time.perf_counter() - start
+        parts = self._all_gather_world(padded)
         leaders = [parts[self.sizes.leader(g)][:n] for g, n in enumerate(rows)]
         return torch.cat(leaders)
 
@@ -165,11 +181,7 @@ class ParallelState:
             return x
         if x.numel() == 0:
             return x.new_zeros(*x.shape[:-1], x.shape[-1] * self.world)
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        start = time.perf_counter()
-        torch.distributed.all_gather(parts, x.contiguous(), group=self.world_group)
-        self.comm_seconds += time.perf_counter() - start
-        return torch.cat(parts, dim=-1)
+        return torch.cat(self._all_gather_world(x), dim=-1)
 
     @contextmanager
     def rows(self, group_rows: list[int]) -> Iterator[None]:

@@ -1,7 +1,8 @@
 """The typed message a group leader broadcasts for one model op: which op, and its inputs.
 
-An op is FORWARD (a ForwardBatch), MTP (a ForwardBatch, the hidden states fed to the MTP layer
-and an optional reused indexer Selection) or LOGITS (hidden rows). Its tensors travel as two
+An op is FORWARD (a ForwardBatch), FORWARD_LOGITS (a ForwardBatch; the forward and then the
+logits of its `logits_rows`, in one round), MTP (a ForwardBatch, the hidden states fed to the MTP
+layer and an optional reused indexer Selection) or LOGITS (hidden rows). Its tensors travel as two
 flat buffers: int64 (a shape header, then every integer/bool tensor) and float (every float
 tensor, in the model dtype). The KV pool tensors are never sent: every rank has its own.
 """
@@ -23,6 +24,7 @@ class Op(IntEnum):
     MTP = 2
     LOGITS = 3
     STOP = 4
+    FORWARD_LOGITS = 5
 
 
 @dataclass
@@ -31,6 +33,13 @@ class OpInputs:
     batch: ForwardBatch | None = None
     hidden: torch.Tensor | None = None
     reuse: Selection | None = None
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows whose logits a FORWARD_LOGITS op returns (0 for the other ops)."""
+        if self.op != Op.FORWARD_LOGITS or self.batch is None:
+            return 0
+        return int(self.batch.logits_rows.shape[0])
 
     @property
     def rows(self) -> int:
@@ -110,7 +119,7 @@ def unpack(op: Op, int_buf: torch.Tensor, float_buf: torch.Tensor, kv_cache: tor
 
 def _rebuild(op: Op, tensors, kv_cache, index_cache) -> OpInputs:
     inputs = OpInputs(op)
-    if op in (Op.FORWARD, Op.MTP):
+    if op in (Op.FORWARD, Op.FORWARD_LOGITS, Op.MTP):
         ids, positions, out_slots, decode_rows, decode_slots, valid, logits_rows, ext = (
             next(tensors) for _ in range(8)
         )

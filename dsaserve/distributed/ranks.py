@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
+from dsaserve.distributed.shm_comm import ShmGroup
+from dsaserve.distributed.shm_comm import supported as shm_supported
 
 logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2
@@ -95,7 +97,21 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
                 state.attn_group, state.attn_cpu_group = device_group, host_group
     elif sizes.attn_tp == sizes.tp:
         state.attn_group, state.attn_cpu_group = None, cpu_group
+    if shm_supported(device_type, sizes.nnodes) and not args.disable_custom_all_reduce:
+        _map_shm(state, args.watchdog_timeout)
     return state
+
+
+def _map_shm(state: ParallelState, timeout: float) -> None:
+    """The shared-memory collectives over the world and this rank's attention group."""
+    sizes, rank = state.sizes, state.rank
+    state.world_shm = ShmGroup.create(list(range(sizes.tp)), rank, None, timeout)
+    if sizes.attn_tp == sizes.tp:
+        state.attn_shm = state.world_shm
+    elif sizes.attn_tp > 1:
+        first = sizes.leader(state.dp_rank)
+        ranks = list(range(first, first + sizes.attn_tp))
+        state.attn_shm = ShmGroup.create(ranks, rank, state.attn_cpu_group, timeout)
 
 
 def rank_threads(sizes: ParallelSizes) -> None:

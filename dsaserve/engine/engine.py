@@ -174,8 +174,9 @@ class Engine:
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
-        # kernels and a cache in the compute dtype (an FP8 cache or Triton kernels: layered).
-        plain = not fp8 and set(self.kernels.names.values()) == {"torch"}
+        # kernels and a cache in the compute dtype (an FP8 cache, a bf16 cache under fp32, or
+        # Triton kernels: layered).
+        plain = stored == self.dtype and set(self.kernels.names.values()) == {"torch"}
         plain = plain and self.parallel.world == 1  # the ranks run the layered model
         step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
                                 args.enable_torch_compile, native=not args.disable_native_decode)

@@ -42,13 +42,12 @@ class ModelRunner:
         graphs = self.graphs
         if graphs is not None and graphs.accepts(batch):
             hidden = graphs(batch)  # installs its own static batch
-        else:
-            with forward_context(batch):
-                step = self.decode_step
-                if step is not None and step.accepts(batch):
-                    return sampled, step.logits(step(batch)[batch.logits_rows])
-                hidden = self.model()
-        return sampled, self.model.logits(hidden[batch.logits_rows])
+            return sampled, self.model.logits(hidden[batch.logits_rows])
+        with forward_context(batch):
+            step = self.decode_step
+            if step is not None and step.accepts(batch):
+                return sampled, step.logits(step(batch)[batch.logits_rows])
+            return sampled, self.model.forward_logits()  # one round across ranks
 
     def run_target(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify

@@ -183,6 +183,10 @@ class DsaMoeForCausalLM(nn.Module):
         out, selection = self.mtp.draft(embeds, hidden, cos, sin, reuse)
         return self.mtp.shared_head.norm(out), selection
 
+    def forward_logits(self) -> torch.Tensor:
+        """`forward`, then the logits of the installed batch's `logits_rows` [R, V]."""
+        return self.logits(self.forward()[current_batch().logits_rows])
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         p = self.parallel
         return p.own_rows(self.lm_head(p.gather_groups(hidden))).float()

@@ -1,0 +1,157 @@
+"""Every `dsaserve serve` command `dsaserve plan` prints whose layout this machine can host
+(tp, dp and ep <= 4, any flags) starts and answers a request, or is refused at start in one line
+naming the flag, as the README's flag table says.
+
+The commands come from the planner itself, over every hardware and built-in model, each recipe
+and the options that change the printed flags (speculative, KV dtype, HiCache, PD role), plus
+the CPU plan of a tiny checkpoint folder. Each is rewritten only where this machine differs: the
+model path (a tiny random GLM checkpoint with an MTP layer, heads and experts divisible by 4),
+`--host` and `--port` (an OS-chosen port; the harness also sets a 4096-token KV pool, which is
+what `--mem-fraction-static`, a GPU's share, would size). One command per distinct layout is
+started (the one with the most flags; see STARTED), sent three requests at once with the openai
+SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
+same start-up checks or be refused with one of the messages the README lists. PD-role commands
+(`--disaggregation-mode`) run at tp 1 only, and a prefill or decode answers requests only
+behind the router with its partner: tests/test_pd_router.py starts that trio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from server_harness import group_members, make_server_checkpoint, running_server
+from speculative_models import add_mtp_layer
+from test_plan_rules import write_tiny_config
+
+from dsaserve.args import ArgsError, ServerArgs, speculative_settings
+from dsaserve.deploy.hardware import HARDWARE
+from dsaserve.deploy.layout import PlanRequest, Refusal
+from dsaserve.deploy.models import BUILTIN_MODELS
+from dsaserve.deploy.planner import plan
+from dsaserve.server import launch
+from dsaserve.server.launch import check_layout
+
+HOSTABLE = 4  # ranks this machine runs (two cores; tests run up to 4 ranks)
+OPTIONS = {
+    "recipe": ("low-latency", "balanced", "high-throughput"),
+    "speculative": ("auto", "none", "dflash2"),
+    "kv_cache_dtype": ("auto", "bf16"),
+    "hicache": (False, True),
+    "pd": (None, "prefill", "decode"),
+}
+# Still refused at start (README, "Server flags"): the message each one gives.
+REFUSED = {
+    "--enable-hierarchical-cache with --tp": "hicache",
+    "--disaggregation-mode with --tp": "pd",
+    "--speculative-algorithm DFLASH2 is not supported": "dflash2",
+}
+REWRITTEN = ("--model-path", "--host", "--port")
+PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
+# Started: each layout once, with and without speculation between them (the DP-attention layouts
+# both ways); the other commands of a layout pass the same start-up checks.
+STARTED = ("tp4 dp1 ep1 dpa0 eagle", "tp4 dp4 ep4 dpa1 plain", "tp4 dp4 ep1 dpa1 eagle",
+           "tp1 dp1 ep1 dpa0 plain")  # fmt: skip
+
+
+def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]]:
+    """(layout key, argv after `dsaserve serve`) of every printed serve command that fits."""
+    out = []
+    for hardware, model in pairs:
+        for values in itertools.product(*OPTIONS.values()):
+            options = dict(zip(OPTIONS, values), **fixed)
+            try:
+                p = plan(PlanRequest(model=model, hardware=hardware, **options))
+            except Refusal:
+                continue
+            lay = p.layout
+            if max(lay.tp, lay.dp, lay.ep) > HOSTABLE:
+                continue
+            for command in p.commands:
+                if command.role != "router":
+                    key = f"tp{lay.tp} dp{lay.dp} ep{lay.ep} dpa{int(lay.dp_attention)}"
+                    key += " eagle" if lay.speculative else " plain"
+                    key += f" {command.role}" if command.role != "serve" else ""
+                    out.append((key, shlex.split(command.dsaserve)[2:]))
+    return out
+
+
+def rewrite(argv: list[str]) -> list[str]:
+    """The command's flags for this machine: model path, host and port left to the harness."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in REWRITTEN:
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def start_check(flags: list[str], model: str) -> str | None:
+    """What `dsaserve serve` refuses before starting anything (None: it starts)."""
+    try:
+        args = ServerArgs.from_cli(["--model-path", model, *flags])
+        check_layout(args)
+        speculative_settings(args)
+    except ArgsError as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = make_server_checkpoint(tmp_path_factory.mktemp("plan_serve") / "glm")
+    return add_mtp_layer(folder, seed=1)
+
+
+def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_factory, capsys):
+    tiny = write_tiny_config(tmp_path_factory.mktemp("plan_cpu") / "tiny")
+    pairs = [(hw, m) for hw in HARDWARE if not HARDWARE[hw].is_cpu for m in BUILTIN_MODELS]
+    found = planned(pairs) + planned([("CPU", str(tiny))], input_len=64, output_len=32)
+    layouts = {key for key, _ in found}
+    assert {" ".join(key.split()[:4]) for key in STARTED} == {
+        " ".join(key.split()[:4]) for key in layouts
+    }  # every layout that fits: GB300's three and the CPU plan's
+    model = str(checkpoint)
+    runnable: dict[str, list[str]] = {}
+    refused: set[str] = set()
+    for key, argv in found:
+        flags = rewrite(argv)
+        refusal = start_check(flags, model)
+        if refusal is not None:
+            kinds = [kind for text, kind in REFUSED.items() if text in refusal]
+            assert kinds, f"an unexpected refusal of {shlex.join(argv)}: {refusal}"
+            if not refused.issuperset(kinds):  # `dsaserve serve` itself: one line, exit 2
+                capsys.readouterr()
+                assert launch.main(["--model-path", model, "--port", "0", *flags]) == 2
+                assert capsys.readouterr().err.strip() == f"dsaserve serve: error: {refusal}"
+            refused.update(kinds)
+        elif len(flags) > len(runnable.get(key, [])):
+            runnable[key] = flags
+    assert refused == set(REFUSED.values())  # each still-refused kind is really printed
+    pd_roles = [key for key in runnable if key.endswith(("prefill", "decode"))]
+    assert pd_roles and all(key.startswith("tp1 ") for key in pd_roles)  # test_pd_router.py
+    assert set(STARTED) <= set(runnable)
+    first: dict[str, tuple[str, float]] = {}
+    for key in STARTED:
+        with running_server(checkpoint, *runnable[key]) as server:
+            client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched (and across DP groups)
+                outs = list(pool.map(_greedy, [client] * len(PROMPTS), PROMPTS))
+            first[key] = outs[0].logprobs.tokens[0], outs[0].logprobs.token_logprobs[0]
+            pgid = server.process.pid
+        assert not group_members(pgid), f"{key}: processes left"
+    # the first greedy token of a 12-token prompt, from the logits of its last row: DP attention
+    # gathers each group's logits rows (not its forward rows) for the LM head
+    (token, logprob), (dp_token, dp_logprob) = first["tp1 dp1 ep1 dpa0 plain"], first[STARTED[1]]
+    assert token == dp_token and abs(logprob - dp_logprob) < 1e-2
+
+
+def _greedy(client: openai.OpenAI, prompt: str):
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=2, temperature=0,
+                                    logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    return out.choices[0]
