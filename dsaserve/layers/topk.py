@@ -11,7 +11,9 @@ Cost stays O(length) per row, with no sort of the row. One `topk` of k + 1 settl
 when the k-th largest score is strictly above the (k+1)-th, the k largest are one set whatever
 the tie rule. Only the other rows (a tie at the cut) take the tie-break: every position strictly
 above the k-th value is kept, plus the earliest positions equal to it (a cumulative sum over the
-equality mask). See docs/determinism.md.
+equality mask). Off the CPU every row takes the tie-break, which never reads a value back to
+the host (the fast path's "is any row tied?" would: CUDA graphs capture no such step). See
+docs/determinism.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def topk_earliest(scores: torch.Tensor, k: int) -> torch.Tensor:
         raise ValueError(f"k={k} must be in [1, {length}]")
     if k == length:  # every position
         return torch.arange(length, device=scores.device).expand_as(scores).clone()
+    if scores.device.type != "cpu":  # no host read (CUDA graphs; the meta-device check)
+        return _break_ties(scores, k)
     values, index = scores.topk(k + 1, dim=-1)  # descending
     picks = index[..., :k].sort(dim=-1).values
     tied = ~(values[..., k - 1] > values[..., k])  # a tie at the cut (or NaN)
