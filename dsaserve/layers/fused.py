@@ -34,7 +34,6 @@ from dsaserve.kernels import cpu_decode
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
-from dsaserve.layers.topk import topk_earliest
 
 
 class LayerWeights(NamedTuple):
@@ -128,14 +127,12 @@ def _attend(attn: MLAttention, q_full, cache, batch: ForwardBatch, selected) -> 
 
 
 def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.Tensor | None:
-    """Indexer._select_decode for all-decode rows, in bmm form."""
+    """Indexer._select_decode for all-decode rows: every row is a decode row, so no row gather
+    (the `indexer` op is the torch reference here: the fused path runs over torch kernels)."""
     if batch.decode_slots.shape[1] <= indexer.topk:
         return None
-    keys = gather_rows(cache, batch.decode_slots)  # [T, L, dI]
-    scores = torch.relu(torch.bmm(q, keys.transpose(1, 2)))  # [T, nI, L]
-    scores = torch.bmm(weights[:, None, :], scores)[:, 0]  # [T, L]
-    scores = scores.masked_fill(~batch.decode_valid, float("-inf"))
-    return topk_earliest(scores, indexer.topk)
+    return batch.kernels.indexer(q, weights, cache, batch.decode_slots, batch.decode_valid,
+                                 indexer.topk)  # fmt: skip
 
 
 class FusedDecode:
