@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -190,7 +189,7 @@ class DecodeLayers {
              Tensor& selected) const {
     const auto& T = L.t;
     const auto& I = L.i;
-    const int64_t rows = x.size(0), hidden = x.size(1), half = I[kRope] / 2;
+    const int64_t rows = x.size(0), half = I[kRope] / 2;
     Tensor h = rms_norm(x, T[kInNorm], L.f[kInEps]);
     Tensor parts = linear(h, T[kWIn], T[kBIn]);  // [T, q_lora | rank + rope | dI | nI]
     const int64_t width = parts.size(1);

@@ -2,7 +2,7 @@
 
 `DecodeLayers` runs every decoder layer of an all-decode fp32 batch in one C++ call (the same
 math as dsaserve/layers/fused.py, which stays the reference and the fallback). The extension is
-compiled with the machine's own compiler at first use (`torch.utils.cpp_extension`, about 20 s
+compiled with the machine's own compiler at first use (`torch.utils.cpp_extension`, about 30 s
 on two cores; cached under `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), with
 `-O3 -march=native`, since it is built where it runs. Where it cannot be built (no compiler, no
 Python headers) the engine says so once and keeps the Python fused path.
