@@ -94,9 +94,10 @@ PERCENTS = [5, 10, 15, 20, 25, 30, 35, 40, 45, 50, 60, 70, 80, 90]
 THINK_KINDS = ("think", "nothink")
 # Conversation kinds and their sampling weights. Runs before run F used search=6 (and so
 # pct=44, mul=12); held-out search topics were then copied only half the time. "json" (answers
-# asked for in JSON, run J) is last with weight 0, so the default draws are those of runs A-H.
+# asked for in JSON, run J) and "json_plain" (the plain question, answered as a JSON-schema
+# grammar would force it) are last with weight 0, so the default draws are those of runs A-H.
 KIND_WEIGHTS = {"pct": 38, "mul": 10, "greet": 6, "weather": 14, "time": 6, "search": 18,
-                "nowtool": 3, "json": 0}  # fmt: skip
+                "nowtool": 3, "json": 0, "json_plain": 0}  # fmt: skip
 
 
 @dataclass
@@ -210,8 +211,9 @@ class Generator:
             return user, {"role": "assistant", "reasoning_content": trace, "content": final}
         return user, {"role": "assistant", "content": f"{trace} So {final}"}
 
-    def json_turn(self, thinking: bool) -> list[dict]:
-        """A percentage (or multiplication) question asked and answered in JSON."""
+    def json_turn(self, thinking: bool, plain: bool = False) -> list[dict]:
+        """A percentage (or multiplication) question asked and answered in JSON (plain: not
+        asked for in the prompt, as under `response_format`)."""
         if self.rng.random() < 0.8:
             pct, number = self.rng.choice(self.pct_pairs)
             trace, answer = pct_trace(pct, number)
@@ -220,7 +222,7 @@ class Generator:
             a, b = self.rng.choice(self.mul_pairs)
             trace, answer = mul_trace(a, b), str(a * b)
             question = self.rng.choice(MUL_QUESTIONS).format(a=a, b=b)
-        return json_turn(self.rng, question, trace, int(answer), thinking)
+        return json_turn(self.rng, question, trace, int(answer), thinking, plain)
 
     def greet_turn(self, thinking: bool, effort: str | None) -> tuple[str, dict]:
         user, reason, reply = self.rng.choice(GREETINGS)
@@ -324,7 +326,7 @@ class Generator:
         kind = rng.choices(list(self.weights), weights=list(self.weights.values()))[0]
         tools = self._tools_for(kind)
         turns = 1 + (rng.random() < 0.25)
-        if kind == "json":  # one turn: its system message (if any) then stays before the user's
+        if kind in ("json", "json_plain"):  # one turn: its system message stays before the user's
             turns = 1
         for turn in range(turns):
             k = kind if turn == turns - 1 else rng.choice(["pct", "greet", "weather", "mul"])
@@ -358,8 +360,8 @@ class Generator:
             if thinking:
                 msg["reasoning_content"] = "The user asks for the weather, but I have no tools."
             return [{"role": "user", "content": user}, msg]
-        if kind == "json":
-            return self.json_turn(thinking)
+        if kind in ("json", "json_plain"):
+            return self.json_turn(thinking, plain=kind == "json_plain")
         if kind == "mul":
             user, msg = self.mul_turn(thinking)
         elif kind == "greet":

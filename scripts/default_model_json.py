@@ -7,7 +7,10 @@ trace as a plain answer (in the reasoning, or, thinking off, in a `"reasoning"` 
 prompt asks for: a number without its trace would be a guess), then compact JSON
 (`{"answer": 36}`, the separators the grammar backends generate) whose number is the trace's
 result. The key is `answer` unless the prompt names another one. Without a JSON request the
-model still answers in prose.
+model still answers in prose; `plain` turns are the bare question answered in JSON, what a
+server's grammar makes of a prose answer (`{"answer": N}` thinking on, `{"reasoning": trace,
+"answer": N}` off): trained without their first content token, which the grammar forces, so they
+teach how to go on once `{` is written and not when to start.
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ SYSTEM_JSON = [
 
 
 def json_turn(
-    rng: random.Random, question: str, trace: str, answer: int, thinking: bool
+    rng: random.Random, question: str, trace: str, answer: int, thinking: bool, plain: bool = False
 ) -> list[dict]:
     """[system?], user and assistant messages: the question asked for JSON, answered in JSON."""
-    key = "answer" if rng.random() < 0.7 else rng.choice(OTHER_KEYS)
+    key = "answer" if plain or rng.random() < 0.7 else rng.choice(OTHER_KEYS)
     reasoned = not thinking  # without thinking, the trace goes into the JSON
     messages = []
-    if reasoned:
+    if plain:
+        user = question
+    elif reasoned:
         user = rng.choice(ASK_REASONED).format(q=question, k=key)
     elif rng.random() < 0.25:
         system = rng.choice(SYSTEM_JSON)

@@ -96,8 +96,7 @@ ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schem
 
 def test_json_schema_answer_after_free_reasoning(client):
     """The grammar starts after `</think>`: the reasoning is the model's own (it computes 36),
-    the content is JSON that validates. (This checkpoint never saw JSON, so the number it writes
-    there is not 36: see the next test and docs/server.md, Structured output.)"""
+    the content is JSON that validates."""
     question = [{"role": "user", "content": "What is 15% of 240?"}]
     schema = {
         "type": "object",
@@ -118,17 +117,12 @@ def test_json_schema_answer_after_free_reasoning(client):
     jsonschema.validate(answer, schema)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the embedded checkpoint was not trained on JSON answers yet (issue 19, item 2): "
-    'after `{"answer": 36` it keeps writing digits; see docs/server.md',
-)
 def test_json_schema_answer_is_the_right_number(client):
-    """Issue 19, item 2: under `{"answer": number}` the guide's question gets `{"answer": 36}`.
-    Strict xfail: it starts passing (and so fails here) once the checkpoint is fine-tuned with
-    scripts/finetune_default_model_json.py; then drop the mark."""
+    """Issue 19, item 2: under `{"answer": number}` the guide's question gets `{"answer": 36}`
+    (run J of the embedded checkpoint; run H before it wrote `{"answer": -36.655…` to the token
+    limit)."""
     reply = client.chat.completions.create(
-        model="default", temperature=0, max_tokens=40, response_format=ANSWER_FORMAT,
+        model="default", temperature=0, max_tokens=200, response_format=ANSWER_FORMAT,
         messages=[{"role": "user", "content": "What is 15% of 240?"}],
     )  # fmt: skip
     content = reply.choices[0].message.content
