@@ -7,9 +7,10 @@ of a long prefill), against the plain form it replaced (the whole [rows, heads, 
 tensor, a causal mask, the tie-breaking top-k); GFLOP/s counts the causal scan's multiply-adds.
 Decode: one row over `--context` keys, op by op as the decode paths run it: the gather of every
 key from the pool, the scores GEMM, the ReLU and weighted head sum, the mask, the top-k; then
-the same scores with each 4096-key tile gathered and scored while it is in cache (not what the
-decode paths do yet), and this core's streaming read bandwidth (a sum over 512 MB). Best of
---repeats.
+the same scores with each 4096-key tile gathered and scored while it is in cache (the layered
+decode path's `indexer_scan.decode_scores`), the native decode path's loop that scores each key
+where it lies in the pool (`kernels/cpu_decode.cpp`, when it builds), and this core's streaming
+read bandwidth (a sum over 512 MB). Best of --repeats.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from dsaserve.kernels.cpu_decode import extension
 from dsaserve.layers.indexer_scan import causal_topk
 from dsaserve.layers.topk import topk_earliest
 
@@ -106,6 +108,13 @@ def main() -> None:
     steps = ("gather keys", "scores GEMM", "relu + head sum")
     print(f"  gather, GEMM, head sum tile by tile: {tiled_ms:.3f} ms "
           f"(vs {sum(costs[s] for s in steps):.3f})")  # fmt: skip
+    native = extension()
+    if native is not None:
+        args1 = (q1[0].contiguous(), w1[0].contiguous(), pool, slots[0], valid[0])
+        native_ms = best_ms(lambda: native.index_scores(*args1), 10 * args.repeats)
+        error = (native.index_scores(*args1) - summed[0]).abs().max().item()
+        print(f"  native, each key scored in place: {native_ms:.3f} ms "
+              f"({key_mb / native_ms:.1f} GB/s of keys; max |diff| {error:.1e})")  # fmt: skip
     big = torch.ones(128 << 20)  # 512 MB
     read = best_ms(lambda: big.sum(), args.repeats)
     print(f"streaming read: {big.numel() * 4 / read / 1e6:.1f} GB/s")

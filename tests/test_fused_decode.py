@@ -43,6 +43,25 @@ def test_native_decode_builds():
     assert cpu_decode.extension() is not None
 
 
+@pytest.mark.parametrize("heads,dim", [(8, 64), (32, 20), (5, 24)])  # vector loops, plain loop
+def test_native_index_scores_read_the_pool_in_place(heads, dim):
+    """The native indexer's score of key l is sum_h w_h relu(q_h . k(slots[l])), read from
+    scattered pool slots, -inf where the row cannot see the key."""
+    if cpu_decode.extension() is None:
+        pytest.skip("the native decode extension does not build here")
+    g = torch.Generator().manual_seed(1)
+    q, w, pool = (
+        torch.randn(heads, dim, generator=g),
+        torch.randn(heads, generator=g),
+        torch.randn(300, dim, generator=g),
+    )
+    slots = torch.randperm(300, generator=g)[:151]  # not a multiple of a block of keys
+    valid = torch.rand(151, generator=g) > 0.2
+    got = cpu_decode.extension().index_scores(q, w, pool, slots, valid)
+    want = (w[:, None] * torch.relu(q @ pool[slots].T)).sum(0).masked_fill(~valid, float("-inf"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 CASES = [
     ("glm", 0, {"indexer_types": ["full", "shared", "full"]}),
     ("deepseek", 2, {"index_topk": 16}),

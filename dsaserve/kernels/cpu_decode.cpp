@@ -4,8 +4,9 @@
 // step at batch 1 costs per-op overhead (a few thousand small PyTorch calls from Python) and
 // weight reads (MKL's single-row GEMM streams weights at about a third of this CPU's memory
 // bandwidth). Here every layer runs without returning to Python: norms, rotary, routing, the
-// indexer's top-k (equal scores: the earlier position wins) and the small-batch GEMMs are plain
-// loops; the context gathers, score GEMMs and softmax are ATen calls. Built at first use by
+// indexer's scores and top-k (equal scores: the earlier position wins), the attention over the
+// selected entries and the small-batch GEMMs are plain loops reading the pool in place; the
+// absorption GEMMs and the larger batches' linears are ATen calls. Built at first use by
 // dsaserve/kernels/cpu_decode.py (torch.utils.cpp_extension), used only in fp32.
 
 #include <torch/extension.h>
@@ -13,6 +14,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <vector>
 
@@ -25,7 +30,7 @@ constexpr int64_t kSmallRows = 8;  // up to this many rows a linear streams its 
 // below it, waking the other threads costs more than they save.
 constexpr int64_t kSplitWork = 1 << 15;
 
-// The threads a forward was given. ATen's own small ops (the gathers and score GEMMs here) get
+// The threads a forward was given. ATen's own small ops (the absorption GEMMs here) get
 // slower, not faster, when split over threads, so a forward runs them on one thread and splits
 // only its own large loops over all of them (`split`).
 thread_local int g_threads = 1;
@@ -117,6 +122,90 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t half, bo
     out[j] = a * cos[j] - b * sin[j];
     out[j + half] = b * cos[j] + a * sin[j];
   }
+}
+
+// One key's score, plain loops (tails, and CPUs without AVX2/FMA).
+float score_key(const float* q, const float* w, const float* key, int64_t heads, int64_t dim) {
+  float score = 0;
+  for (int64_t h = 0; h < heads; ++h) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= dim; i += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += q[h * dim + i + j] * key[i + j];
+    float d = 0;
+    for (int j = 0; j < 16; ++j) d += acc[j];
+    for (; i < dim; ++i) d += q[h * dim + i] * key[i];
+    score += w[h] * std::max(d, 0.0f);
+  }
+  return score;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Keys [begin, end) in blocks of 8 / N8 keys, 8 heads to a vector (heads = 8 * N8): q is
+// transposed (qt [dim, heads]) so that one multiply-add per dimension advances the dot products of
+// 8 heads at once, with 8 independent accumulators in flight, and only the final weighted head
+// sum is horizontal. A block past `end` is filled with zero keys, so every key's score takes the
+// same operations wherever the blocks (and the threads' ranges) start.
+template <int N8>
+void score_block8(const float* qt, const float* w, const float* cache, const int64_t* slots,
+                  const bool* valid, const float* zeros, int64_t begin, int64_t end, int64_t dim,
+                  float* out) {
+  constexpr int KB = 8 / N8;
+  __m256 wv[N8];
+  for (int c = 0; c < N8; ++c) wv[c] = _mm256_loadu_ps(w + 8 * c);
+  for (int64_t l = begin; l < end; l += KB) {
+    const float* key[KB];
+    for (int j = 0; j < KB; ++j)
+      key[j] = l + j < end && valid[l + j] ? cache + slots[l + j] * dim : zeros;
+    if (l + 4 * KB < end && valid[l + 4 * KB])
+      _mm_prefetch(reinterpret_cast<const char*>(cache + slots[l + 4 * KB] * dim), _MM_HINT_T0);
+    __m256 acc[KB][N8];
+    for (int j = 0; j < KB; ++j)
+      for (int c = 0; c < N8; ++c) acc[j][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < dim; ++i) {
+      __m256 qv[N8];
+      for (int c = 0; c < N8; ++c) qv[c] = _mm256_loadu_ps(qt + i * 8 * N8 + 8 * c);
+      for (int j = 0; j < KB; ++j) {
+        const __m256 kv = _mm256_broadcast_ss(key[j] + i);
+        for (int c = 0; c < N8; ++c) acc[j][c] = _mm256_fmadd_ps(qv[c], kv, acc[j][c]);
+      }
+    }
+    for (int j = 0; j < KB && l + j < end; ++j) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int c = 0; c < N8; ++c)
+        sum = _mm256_fmadd_ps(wv[c], _mm256_max_ps(acc[j][c], _mm256_setzero_ps()), sum);
+      const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+      out[l + j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    }
+  }
+}
+#endif
+
+// Index scores of keys [begin, end) of one row, read in place from the pool (cache [slots, dim]):
+// out[l] = sum_h w[h] relu(q[h] . k(slots[l])), -inf where the row cannot see key l. Reading each
+// key once from wherever its page lies, while it is in cache, instead of gathering every key
+// into one tensor for a GEMM first: at 60k keys the gather alone cost as much as the scoring.
+void score_keys(const float* q, const float* w, const float* cache, const int64_t* slots,
+                const bool* valid, int64_t begin, int64_t end, int64_t heads, int64_t dim,
+                float* out) {
+  bool done = false;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (heads == 8 || heads == 16 || heads == 32) {
+    std::vector<float> qt(heads * dim), zeros(dim, 0.0f);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < dim; ++i) qt[i * heads + h] = q[h * dim + i];
+    const auto block = heads == 8 ? score_block8<1> : heads == 16 ? score_block8<2>
+                                                                  : score_block8<4>;
+    block(qt.data(), w, cache, slots, valid, zeros.data(), begin, end, dim, out);
+    done = true;
+  }
+#endif
+  if (!done)
+    for (int64_t l = begin; l < end; ++l)
+      if (valid[l]) out[l] = score_key(q, w, cache + slots[l] * dim, heads, dim);
+  for (int64_t l = begin; l < end; ++l)
+    if (!valid[l]) out[l] = -std::numeric_limits<float>::infinity();
 }
 
 // Positions of the k largest scores of a row, equal scores to the earlier position, in
@@ -336,11 +425,20 @@ class DecodeLayers {
     cache.index_copy_(0, out_slots, key);
     const int64_t length = slots.size(1), topk = I[kTopk];
     if (length <= topk) return Tensor();
-    // I(t, l) = sum_h w_h relu(q_h . k_l): MKL's GEMM over the gathered keys beats a loop here.
-    Tensor keys = cache.index_select(0, slots.reshape(-1)).view({rows, length, dim});
-    Tensor scores = at::bmm(q, keys.transpose(1, 2)).relu_();  // [T, nI, L]
-    scores = at::bmm(weights.unsqueeze(1), scores).squeeze(1);  // [T, L]
-    scores.masked_fill_(valid.logical_not(), -std::numeric_limits<float>::infinity());
+    // I(t, l) = sum_h w_h relu(q_h . k_l), each key scored where it lies in the pool.
+    Tensor scores = torch::empty({rows, length}, parts.options());
+    TORCH_CHECK(valid.is_contiguous() && slots.is_contiguous() && cache.is_contiguous(),
+                "indexer: contiguous rows");
+    const int64_t grain = std::max<int64_t>(64, kSplitWork / std::max<int64_t>(1, n_heads * dim));
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t* sl = slots.data_ptr<int64_t>() + t * length;
+      const bool* ok = valid.data_ptr<bool>() + t * length;
+      float* out = scores.data_ptr<float>() + t * length;
+      split(0, length, grain, [&](int64_t begin, int64_t end) {
+        score_keys(qo + t * n_heads * dim, wp + t * n_heads, cache.data_ptr<float>(), sl, ok,
+                   begin, end, n_heads, dim, out);
+      });
+    }
     const float* sc = scores.data_ptr<float>();
     Tensor picks = torch::empty({rows, topk}, slots.options().dtype(torch::kLong));
     int64_t* op = picks.data_ptr<int64_t>();
@@ -463,5 +561,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", [](const Tensor& x, const Tensor& w) {
     OneThread one_thread;
     return linear(x.contiguous(), w, Tensor());
+  });
+  // One row's index scores over its keys in the pool (the loop inside the layers' indexer):
+  // q [H, D] and w [H] fp32, pool [S, D], slots [L] int64, valid [L] bool -> [L].
+  m.def("index_scores", [](const Tensor& q, const Tensor& w, const Tensor& pool,
+                           const Tensor& slots, const Tensor& valid) {
+    TORCH_CHECK(q.is_contiguous() && w.is_contiguous() && pool.is_contiguous() &&
+                    slots.is_contiguous() && valid.is_contiguous(),
+                "index_scores: contiguous tensors");
+    Tensor out = torch::empty({slots.size(0)}, q.options());
+    score_keys(q.data_ptr<float>(), w.data_ptr<float>(), pool.data_ptr<float>(),
+               slots.data_ptr<int64_t>(), valid.data_ptr<bool>(), 0, slots.size(0), q.size(0),
+               q.size(1), out.data_ptr<float>());
+    return out;
   });
 }
