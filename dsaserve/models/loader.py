@@ -6,7 +6,9 @@ so loading is a lookup. Two translations happen on the way:
 - per-expert tensors `...mlp.experts.{e}.{gate,up,down}_proj.weight` are written into the
   fused `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I];
   a fused checkpoint is taken as is;
-- block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU.
+- block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU, unless the
+  model holds that tensor FP8 (kernels/fp8_linear.py, kernels/fp8_experts.py): then the bytes
+  and the scales are copied as stored (per-expert scales into the fused `*_scale_inv` grid).
 
 Router weights (`mlp.gate.weight`, `e_score_correction_bias`) stay float32; all else is cast to
 the requested dtype. Tensors the model lacks (e.g. an MTP layer it skips) are ignored.
@@ -169,10 +171,26 @@ class _Loader:
         if target is not None:
             tensor = self._read_target(name, handle, file, device, target, raw)
             self._place_whole(name, target, tensor)
+        elif fused.dtype in FP8_DTYPES:  # experts kept FP8 (kernels/fp8_experts)
+            self._place_fp8_expert(name, handle, file, expert, fused)
         else:
             pieces = self._expert_pieces(handle, name, fused, expert)
             tensor = torch.cat([self._read(name, handle, file, device, p) for p in pieces], 0)
             self._place_expert(name, expert, fused, tensor)
+
+    def _place_fp8_expert(self, name, handle, file: Path, expert, target: _Target) -> None:
+        """One expert's e4m3 weight and its scale rows, as stored, into the fused tensors."""
+        weight = self._read(name, handle, file, None, raw=True)
+        scale_name = name + SCALE_SUFFIX
+        if weight.dtype not in FP8_DTYPES or scale_name not in self.locations:
+            stored = scale_name in self.locations
+            raise CheckpointError(
+                f"expert tensor {name} in {file} is not block-FP8 ({weight.dtype}, "
+                f"{scale_name} stored: {stored}); the model keeps it FP8"
+            )
+        self._place_expert(name, expert, target, weight)
+        scales = self.targets[target.names[0] + SCALE_SUFFIX]
+        self._place_expert(scale_name, expert, scales, self._sibling(scale_name, handle, file))
 
     def _read_target(self, name, handle, file, device, target: _Target, raw: bool) -> torch.Tensor:
         """The target's slice (all of it without a shard), zero-padded to the local shape."""
@@ -309,15 +327,18 @@ def _missing_name(target: _Target) -> str | None:
     """A name to report if `target` was not (fully) written, else None."""
     if target.filled:
         return None
-    fused = next((m for m in map(FUSED_EXPERTS_RE.match, target.names) if m), None)
+    suffix = SCALE_SUFFIX if target.names[0].endswith(SCALE_SUFFIX) else ""  # FP8 experts' scales
+    fused = FUSED_EXPERTS_RE.match(target.names[0].removesuffix(suffix))
+    fused = fused or next((m for m in map(FUSED_EXPERTS_RE.match, target.names) if m), None)
     if fused is None or target.tensor.dim() != 3:
         return target.names[0]
     projs = ("down_proj",) if fused["kind"] == "down_proj" else ("gate_proj", "up_proj")
     if not target.pieces:
         per_expert = "/".join(projs)
-        return f"{fused[0]} (nor per-expert {fused['prefix']}.{{e}}.{per_expert}.weight)"
+        each = f"{fused['prefix']}.{{e}}.{per_expert}.weight{suffix}"
+        return f"{fused[0]}{suffix} (nor per-expert {each})"
     for index in range(target.tensor.shape[0]):
         for proj in projs:
             if (index, proj) not in target.pieces:
-                return f"{fused['prefix']}.{index}.{proj}.weight"
+                return f"{fused['prefix']}.{index}.{proj}.weight{suffix}"
     return None
