@@ -123,3 +123,47 @@ def test_experts_stay_fp8_and_give_the_dequantised_twins_logits(folders, monkeyp
     assert out.token_ids == ref.token_ids
     for a, b in zip(out.logprobs, ref.logprobs):
         assert abs(a.logprob - b.logprob) < 1e-3
+
+
+def test_static_decode_runs_the_fp8_experts(folders, monkeypatch) -> None:
+    """The CUDA-graph step (forced on CPU: the static step run eagerly) over FP8 experts gives
+    the layered path's tokens and logprobs (the same kernel and layout: 1e-5)."""
+    _, fp8 = folders
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [PROMPT[:9], PROMPT[9:12]]  # 2 rows
+    layered = LLM(str(fp8), moe_runner_backend="triton", disable_cuda_graph=True, **COMMON)
+    want = layered.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(cuda_graph, "GRAPH_DEVICES", ("cuda", "cpu"))
+    llm = LLM(str(fp8), moe_runner_backend="triton", **COMMON)
+    assert llm.engine.graphs is not None and llm.engine.stats()["fp8_expert_layers_kept"] == 2
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.stats()["cuda_graph"]["steps"] >= 4
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+def _meta_model(inter: int) -> DsaMoeForCausalLM:
+    raw = dict(model_type="glm_moe_dsa", vocab_size=64, hidden_size=H, intermediate_size=96,
+               moe_intermediate_size=inter, num_hidden_layers=3, num_attention_heads=2,
+               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+               v_head_dim=16, n_routed_experts=E, num_experts_per_tok=2, n_shared_experts=1,
+               first_k_dense_replace=1, index_topk=8, index_n_heads=2,
+               index_head_dim=32)  # fmt: skip
+    with torch.device("meta"):
+        return DsaMoeForCausalLM(ModelConfig._from_dict("meta", raw))
+
+
+def test_only_whole_block_aligned_experts_are_kept() -> None:
+    assert keep_fp8_experts(_meta_model(256), triton_moe.grouped_experts) == MOE_LAYERS
+    # I = 32: the gate and up scale blocks would overlap in the fused grid: dequantised
+    assert keep_fp8_experts(_meta_model(32), triton_moe.grouped_experts) == 0
+
+
+def test_an_unquantised_checkpoint_into_fp8_experts_is_refused(folders) -> None:
+    src, _ = folders
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(ModelConfig.from_hf(str(src), {}))
+    keep_fp8_experts(model, triton_moe.grouped_experts)
+    with pytest.raises(CheckpointError, match="is not block-FP8"):
+        load_checkpoint(model, src, torch.float32, show_progress=False)
