@@ -14,6 +14,7 @@ from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.kv_quant import KV_STORE, quantize_entry, quantize_key
 from dsaserve.kernels import reference
 from dsaserve.kernels import triton_fp8_gemm as gemm
+from dsaserve.kernels.fp8_experts import Fp8Experts
 from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.kernels.registry import Kernels
 from dsaserve.kernels.triton_indexer import indexer_decode_topk, indexer_scores
@@ -22,7 +23,7 @@ from dsaserve.layers.moe import MoE, Router
 from dsaserve.layers.static_moe import static_experts
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
-from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8, scale_shape
+from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_block_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -93,18 +94,23 @@ def check_gemm(name: str, n: int, k: int, m: int) -> dict:
                   _rel(got, a @ dequantize_block_fp8(w8, scale).T), 1e-4)  # fmt: skip
 
 
-def check_moe(name: str, r, tokens: int) -> list[dict]:
-    """The grouped FP8 expert GEMMs (masked and contiguous layouts) against the torch op over
-    the dequantised weights (activations unquantised there: e4m3 error) and each other."""
-    from dsaserve.kernels.triton_moe import grouped_experts
-
-    g = _gen(r.experts + tokens)
+def _random_experts(r, g: torch.Generator) -> nn.Module:
     experts = nn.Module()
     for weight, shape in (("gate_up_proj", (2 * r.expert_inter, r.hidden)),
                           ("down_proj", (r.hidden, r.expert_inter))):  # fmt: skip
         w8, scale = quantize_block_fp8(torch.randn(r.experts, *shape, device=DEVICE, generator=g))
         setattr(experts, weight, nn.Parameter(w8, requires_grad=False))
         setattr(experts, f"{weight}_scale_inv", nn.Parameter(scale * 0.02, requires_grad=False))
+    return experts
+
+
+def check_moe(name: str, r, tokens: int) -> list[dict]:
+    """The grouped FP8 expert GEMMs (masked and contiguous layouts) against the torch op over
+    the dequantised weights (activations unquantised there: e4m3 error) and each other."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    g = _gen(r.experts + tokens)
+    experts = _random_experts(r, g)
     x = torch.randn(tokens, r.hidden, device=DEVICE, generator=g)
     top_k = min(8, r.experts)
     scores = torch.rand(tokens, r.experts, device=DEVICE, generator=g)
@@ -120,6 +126,29 @@ def check_moe(name: str, r, tokens: int) -> list[dict]:
     return [_check(f"{label} vs quantised torch", _rel(masked, exact), 1e-3),
             _check(f"{label} contiguous vs quantised torch", _rel(contiguous, exact), 1e-3),
             _check(f"{label} vs unquantised activations", _rel(masked, loose), 0.1)]  # fmt: skip
+
+
+def check_moe_prefill(name: str, r, tokens: int) -> dict:
+    """The prefill layout (`auto` above MASKED_MAX_TOKENS rows: contiguous, one launch a GEMM
+    over every expert's sorted run) at a prefill chunk, routing skewed so that half the experts
+    get no token and the rest uneven counts, against the quantised torch math."""
+    from dsaserve.kernels.triton_moe import MASKED_MAX_TOKENS, grouped_experts
+
+    g = _gen(r.experts + tokens)
+    experts = _random_experts(r, g)
+    x = torch.randn(tokens, r.hidden, device=DEVICE, generator=g)
+    top_k = min(8, r.experts)
+    scores = torch.rand(tokens, r.experts, device=DEVICE, generator=g)
+    if r.experts >= 2 * top_k:
+        scores[:, r.experts // 2 :] -= 2.0  # never chosen
+        scores[:, 0] += 1.0  # in every row
+    index = scores.topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=DEVICE, generator=g)
+    assert tokens > MASKED_MAX_TOKENS
+    got = grouped_experts(experts, x, index, weights).float()
+    exact = _quantised_experts(experts, x, index, weights)
+    label = f"{name} grouped FP8 experts ({r.experts} x {r.expert_inter}) prefill {tokens} rows"
+    return _check(f"{label} contiguous, idle experts, vs quantised torch", _rel(got, exact), 1e-3)
 
 
 def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
@@ -142,7 +171,7 @@ def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
     return out
 
 
-def run_checks(shapes: dict, contexts: list[int]) -> list[dict]:
+def run_checks(shapes: dict, contexts: list[int], prefill: int = 4096) -> list[dict]:
     from gpu_check import linear_shapes
 
     s = shapes["tp"]
@@ -153,6 +182,7 @@ def run_checks(shapes: dict, contexts: list[int]) -> list[dict]:
         checks.append(check_gemm(f"{moe} expert gate_up", 2 * r.expert_inter, r.hidden, 8))
         checks.append(check_gemm(f"{moe} expert down", r.hidden, r.expert_inter, 8))
         checks += [c for tokens in (1, 32) for c in check_moe(moe, r, tokens)]
+        checks.append(check_moe_prefill(moe, r, prefill))
     return checks
 
 
@@ -205,16 +235,6 @@ def _fill(name: str, p: torch.Tensor) -> None:
         p.normal_(0, 0.02)
 
 
-def _fp8_experts(experts: nn.Module) -> None:
-    """Hold the routed experts as block-FP8 (e4m3 + 128x128 scales) on the meta device."""
-    for name in ("gate_up_proj", "down_proj"):
-        shape = getattr(experts, name).shape
-        setattr(experts, name, nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device="meta"),
-                                            requires_grad=False))  # fmt: skip
-        scale = torch.empty(scale_shape(shape), dtype=torch.float32, device="meta")
-        setattr(experts, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
-
-
 def _to_bf16(model: nn.Module) -> None:
     """The checkpoint's unquantised weights in bf16 (the router and the FP8 scales stay fp32;
     `Module.to` would cast the e4m3 weights too)."""
@@ -234,8 +254,8 @@ def rank_model(s, kernels: Kernels) -> DsaMoeForCausalLM:
         model = DsaMoeForCausalLM(rank_config(s))
     keep_fp8(model, kernels.fp8_gemm)
     moe = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
-    if kernels.names["moe"] == "triton":
-        _fp8_experts(moe[0].experts)
+    if kernels.names["moe"] == "triton":  # held as the engine holds a checkpoint's FP8 experts
+        moe[0].experts = Fp8Experts(moe[0].experts, kernels.moe)
     for block in moe[1:]:
         block.experts = moe[0].experts
     _to_bf16(model)

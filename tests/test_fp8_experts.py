@@ -116,7 +116,7 @@ def test_experts_stay_fp8_and_give_the_dequantised_twins_logits(folders, monkeyp
     for layer in layers:
         layer.experts.moe = _exact_moe
     exact = kept.score(PROMPT)
-    assert ((got - exact).norm() / exact.norm()).item() < 1e-3  # 1e-3: an e4m3 boundary flip
+    assert ((got - exact).norm() / exact.norm()).item() < 1e-4  # measured 3e-7 (fp32 sum order)
     assert ((exact - want).norm() / want.norm()).item() > 1e-4  # the rounding is real
     # greedy decode through the kernel gives the exact math's tokens
     ref = llm.generate([PROMPT[:20]], params, use_tqdm=False)[0]
