@@ -7,7 +7,8 @@ step time of a 78-layer TP8-rank slice with random FP8 weights against the HBM b
 Part 1 runs each Triton kernel (indexer scores + earliest-wins top-k at contexts 8k and 32k,
 sparse MLA decode over index_topk 2048 entries with 8 heads a rank from bf16 and FP8 caches, the
 block-FP8 GEMM at the rank's Linear shapes, the MoE slices as TP8 (256 experts, 1/8 of each) and
-EP8 (32 whole experts), the grouped FP8 expert GEMMs in both layouts) against the torch
+EP8 (32 whole experts), the grouped FP8 expert GEMMs in both layouts at batch 1 and 32, and the
+prefill (contiguous) layout at a 4096-row chunk with half the experts idle) against the torch
 reference. Part 2 builds the engine's own model classes as one TP8 rank's slice (8 heads, every
 expert's eighth; 78 layers; random block-FP8 Linears and experts, bf16 elsewhere, FP8 KV cache)
 and times one decode step through the engine's CUDA-graph runner (dsaserve/engine/cuda_graph.py:
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report = {"model": args.model, "tp": args.tp, "tiny": args.tiny,
               "shapes": {k: dataclasses.asdict(v) for k, v in shapes.items()},
-              "checks": run_checks(shapes, contexts)}  # fmt: skip
+              "checks": run_checks(shapes, contexts, 96 if args.tiny else 4096)}  # fmt: skip
     failed = [c for c in report["checks"] if not c["ok"]]
     print(f"kernel checks: {len(report['checks']) - len(failed)} ok, {len(failed)} failed")
     for check in report["checks"]:

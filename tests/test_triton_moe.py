@@ -118,14 +118,76 @@ def test_grouped_experts_block_fp8(layout) -> None:
     assert ((got - ref).norm() / ref.norm()).item() < 0.05
 
 
-def test_masked_layout_needs_no_host_read() -> None:
+def test_layouts_need_no_host_read() -> None:
     from dsaserve.kernels.triton_moe import contiguous_layout, masked_layout
 
-    index = torch.empty(4, 3, dtype=torch.long, device="meta")
+    index = torch.empty(4, 3, dtype=torch.long, device="meta")  # any host read raises here
     layout = masked_layout(index, 8)
     assert layout.rows.shape == (8 * 16,) and layout.experts.shape == (8,)
-    with pytest.raises(NotImplementedError):
-        contiguous_layout(index, 8)  # sized from the counts: prefill only
+    layout = contiguous_layout(index, 8, block_m=4)  # sized by T*k + min(E, T*k) * (4 - 1)
+    assert layout.rows.shape == (12 + 8 * 3,) and layout.experts.shape == (9,)
+
+
+def _skewed(tokens: int, top_k: int, experts: int, g: torch.Generator):
+    """Uneven routing: expert 1 in every row, the upper half of the experts never chosen."""
+    busy = experts // 2
+    index = torch.stack([torch.cat([torch.tensor([1]), 2 + torch.randperm(busy - 2, generator=g)
+                                    [: top_k - 1]]) for _ in range(tokens)])  # fmt: skip
+    index[::3, 1] = 0  # expert 0 in a third of the rows only
+    return index.to(DEVICE), torch.rand(tokens, top_k, generator=g).to(DEVICE)
+
+
+def test_contiguous_layout_groups_uneven_and_idle_experts() -> None:
+    from dsaserve.kernels.triton_moe import contiguous_layout
+
+    experts, block_m = 10, 4
+    index, _ = _skewed(9, 3, experts, torch.Generator().manual_seed(2))
+    layout = contiguous_layout(index, experts, block_m)
+    rows, owner = layout.rows.view(-1, block_m), layout.experts
+    seen = []
+    for e in range(experts):
+        want = (index.flatten() == e).nonzero()[:, 0].tolist()
+        blocks = rows[owner == e] if want else rows[:0]
+        listed = blocks[blocks >= 0].tolist()
+        assert listed == want  # every assignment of e, in order, in e's blocks only
+        assert len(blocks) == -(-len(want) // block_m)  # padded to block_m, no more
+        if e >= experts // 2:
+            assert not want and len(blocks) == 0  # idle experts own no block
+        seen += listed
+    assert sorted(seen) == list(range(index.numel()))
+    used = sum(-(-int((index == e).sum()) // block_m) for e in range(experts))
+    assert (rows[used:] == -1).all()  # the bound's tail is padding only
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefill_sized_contiguous_matches_torch(fp8: bool) -> None:
+    """More rows than the masked layout takes (`auto` picks contiguous: one launch a GEMM over
+    every expert's run), with uneven counts, idle experts and one expert in every row."""
+    from dsaserve.kernels import triton_moe
+
+    tokens, top_k, e, h, i = 96, 4, 12, 128, 128
+    g = torch.Generator().manual_seed(3)
+    experts = _float_experts(e, h, i, g)
+    if fp8:
+        for name in ("gate_up_proj", "down_proj"):
+            w8, scale = quantize_block_fp8(getattr(experts, name).cpu())
+            setattr(experts, name, nn.Parameter(w8.to(DEVICE), requires_grad=False))
+            scale = nn.Parameter(scale.to(DEVICE), requires_grad=False)
+            setattr(experts, f"{name}_scale_inv", scale)
+    x = torch.randn(tokens, h, generator=g).to(DEVICE)
+    index, weights = _skewed(tokens, top_k, e, g)
+    assert tokens > triton_moe.MASKED_MAX_TOKENS
+    got = triton_moe.grouped_experts(experts, x, index, weights)
+    if not fp8:
+        torch.testing.assert_close(got, static_experts(experts, x, index, weights),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        return
+    want = _quantised_reference(x, index, weights, experts.gate_up_proj,
+                                experts.gate_up_proj_scale_inv, experts.down_proj,
+                                experts.down_proj_scale_inv)  # fmt: skip
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-3  # as the fp8 test above
+    masked = triton_moe.grouped_experts(experts, x, index, weights, "masked")
+    assert ((got - masked).norm() / masked.norm()).item() < 1e-3
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ from dsaserve.grammar.backend import make_backend
 from dsaserve.grammar.bitmask import fill_bitmask
 from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
 from dsaserve.grammar.state import GrammarState
+from dsaserve.kernels.fp8_experts import expert_bytes, keep_fp8_experts
 from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
@@ -122,20 +123,27 @@ class Engine:
         self.model = load_model(self.args, self.model_config, self.dtype, self.device,
                                 self.with_mtp, self.parallel, show_progress,
                                 before_load=self._keep_fp8)  # fmt: skip
+        self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
 
     def _keep_fp8(self, model: nn.Module) -> None:
         """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs
-        (one rank only in this build: sharded Linears are dequantised)."""
-        self.fp8_linears = 0
-        if self.model_config.quantization != "fp8" or self.kernels.names["fp8_gemm"] == "torch":
+        and their routed experts FP8 when the `moe` op is one that consumes FP8 (one rank only
+        in this build: sharded Linears and experts are dequantised)."""
+        self.fp8_linears = self.fp8_experts = 0
+        names = self.kernels.names
+        if self.model_config.quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":
             return
         if self.parallel.world > 1:
-            logger.warning("--fp8-gemm-backend: sharded Linears are dequantised on load")
+            logger.warning("--fp8-gemm-backend / --moe-runner-backend: sharded FP8 weights are "
+                           "dequantised on load")  # fmt: skip
             return
         if fp8_block_size(Path(self.args.model_path)) != (128, 128):
             logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
             return
-        self.fp8_linears = keep_fp8(model, self.kernels.fp8_gemm)
+        if names["fp8_gemm"] != "torch":
+            self.fp8_linears = keep_fp8(model, self.kernels.fp8_gemm)
+        if names["moe"] != "torch":
+            self.fp8_experts = keep_fp8_experts(model, self.kernels.moe)
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
@@ -429,6 +437,8 @@ class Engine:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kernel_backends": dict(self.kernels.names),
             "fp8_linears_kept": self.fp8_linears,
+            "fp8_expert_layers_kept": self.fp8_experts,
+            "routed_expert_bytes": self.routed_expert_bytes,
             "cuda_graph": self.graphs.stats() if self.graphs is not None else None,
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,

@@ -3,8 +3,9 @@
 On CUDA (or with `--fp8-gemm-backend triton` anywhere Triton runs) the quantised Linears of a
 block-FP8 checkpoint (fp8.QUANTIZED_WEIGHT_RE) are swapped for `Fp8Linear` before loading, so the
 loader copies `W8` and `W8_scale_inv` as they are (half the bytes of bf16) and every forward is the
-`fp8_gemm` op. Two stay dequantised: `kv_b_proj` (the absorbed form reads its weight as W_UK /
-W_UV, as SGLang's w_kc / w_vc) and the fused routed experts (no grouped FP8 GEMM yet).
+`fp8_gemm` op. `kv_b_proj` stays dequantised (the absorbed form reads its weight as W_UK / W_UV,
+as SGLang's w_kc / w_vc); the routed experts are kept FP8 separately, by the `moe` op's backend
+(kernels/fp8_experts.py).
 """
 
 from __future__ import annotations

@@ -5,26 +5,33 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | op | flag | implementations |
 |---|---|---|
 | `indexer` (scores + top-k) | `--dsa-prefill-backend` / `--dsa-decode-backend` | torch, triton |
-| `sparse_mla` (selected entries, absorbed) | `--dsa-decode-backend` | torch, triton |
+| `sparse_mla` (selected entries, absorbed) | `--dsa-decode-backend` | torch, triton, flashmla |
 | `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
-| `moe` (routed-expert GEMMs, static decode path) | `--moe-runner-backend` | torch, triton |
-| `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton |
+| `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, triton, deep_gemm |
+| `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton, deep_gemm |
 | `sampling` | (none) | torch |
 
 `torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`
-takes the first fast implementation that imports (Triton), else the reference. A backend name
-SGLang accepts but this build has no kernel for (e.g. `flashmla_sparse`) resolves to our own
-Triton kernel on CUDA and is refused on CPU with a one-line error.
+takes our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
+kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` / `flashmla_kv` /
+`flashmla_auto`: kernels/flash_mla_adapter.py) were never run on a GPU, so only an explicit flag
+takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise
+our Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`)
+resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-TORCH, TRITON = "torch", "triton"
+logger = logging.getLogger(__name__)
+
+TORCH, TRITON, DEEP_GEMM, FLASHMLA = "torch", "triton", "deep_gemm", "flashmla"
+VENDOR = (DEEP_GEMM, FLASHMLA)  # adapters over an external package: an explicit flag only
 
 # op -> backend -> "module:attribute" (imported only when chosen)
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
@@ -35,20 +42,24 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "sparse_mla": {
         TORCH: "dsaserve.kernels.reference:sparse_mla_decode",
         TRITON: "dsaserve.kernels.triton_sparse_mla:sparse_mla_decode",
+        FLASHMLA: "dsaserve.kernels.flash_mla_adapter:sparse_mla_decode",
     },
     "kv_store": {TORCH: "dsaserve.engine.kv_quant:KV_STORE"},
     "moe": {
         TORCH: "dsaserve.layers.static_moe:static_experts",
         TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
+        DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:grouped_experts",
     },
     "fp8_gemm": {
         TORCH: "dsaserve.kernels.reference:fp8_linear",
         TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",
+        DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:fp8_linear",
     },
     "sampling": {TORCH: "dsaserve.layers.sampler:Sampler"},
 }
 
 # SGLang names for its kernels -> the implementation of ours that stands in for them on CUDA
+ALIASES = {"flashmla_sparse": FLASHMLA, "flashmla_kv": FLASHMLA, "flashmla_auto": FLASHMLA}
 SGLANG_ATTENTION = ("flashmla_sparse", "flashmla_sparse_q8", "flashmla_kv", "flashmla_auto",
                     "fa3", "tilelang", "aiter", "trtllm")  # fmt: skip
 ATTENTION_BACKENDS = ("auto", "dsa", "nsa", "torch", "triton")
@@ -84,13 +95,19 @@ def resolve(op: str, requested: str | None, device_type: str, flag: str) -> str:
         if device_type == "cuda" and TRITON in impls and available(op, TRITON):
             return TRITON
         return TORCH
-    if requested in impls:
-        if requested == TRITON and device_type != "cuda" and not available(op, TRITON):
+    name = ALIASES.get(requested, requested)
+    if name in (TORCH, TRITON):
+        if name == TRITON and device_type != "cuda" and not available(op, TRITON):
             raise BackendError(f"{flag} triton: needs CUDA (or TRITON_INTERPRET=1 on CPU)")
-        return requested
+        return name
     if device_type != "cuda":
         raise BackendError(f"{flag} {requested}: a CUDA kernel; on CPU use auto or torch")
+    if name in impls and available(op, name):
+        return name
     if TRITON in impls and available(op, TRITON):
+        if name in VENDOR:
+            logger.warning("%s %s: %s does not import here; using the Triton kernel", flag,
+                           requested, "flash_mla" if name == FLASHMLA else name)  # fmt: skip
         return TRITON  # our Triton kernel stands in for the SGLang-named one
     raise BackendError(f"{flag} {requested}: no implementation importable here; use torch")
 

@@ -7,9 +7,13 @@ Two layouts of the T*k routing assignments (token t's j-th expert is assignment 
   layout). Shapes depend on (T, k, E) only and the table is built with scatters and cumsums,
   so nothing syncs with the host. A program owns (expert, BLOCK_M rows, BLOCK_N columns) and
   returns at once past its expert's count: idle experts' weights are never read.
-- **contiguous** (prefill): the assignments sorted by expert, each expert's run padded to
-  BLOCK_M, one expert id per row block (vLLM / SGLang's `moe_align_block_size` layout). Built on
-  the host (it sizes the grid from the counts), so not for capture.
+- **contiguous** (prefill, many tokens): the assignments sorted by expert, each expert's run
+  padded to BLOCK_M, one expert id per row block (vLLM / SGLang's `moe_align_block_size`
+  layout): about T*k / BLOCK_M busy programs whatever E is. Sized by an upper bound, so it too
+  needs no host read.
+
+`auto` (the op's default) takes masked up to MASKED_MAX_TOKENS rows (decode buckets) and
+contiguous above (a masked table of a prefill chunk would be [E, T], mostly idle programs).
 
 One kernel serves both: it reads its block's expert and row ids from memory. Rows are gathered
 from the activation by assignment id // row_div (the token for gate_up, the assignment for down)
@@ -32,6 +36,7 @@ from dsaserve.kernels.triton_fp8_gemm import act_quant
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128  # N and K tile: one FP8 scale block
+MASKED_MAX_TOKENS = 64  # `auto` layout: masked up to this many rows, contiguous above
 
 
 class Layout(NamedTuple):
@@ -58,20 +63,25 @@ def masked_layout(index: torch.Tensor, num_experts: int, block_m: int = 16) -> L
 
 
 def contiguous_layout(index: torch.Tensor, num_experts: int, block_m: int = 64) -> Layout:
-    """Assignments sorted by expert, each expert's run padded to block_m (sizes from the host)."""
+    """Assignments sorted by expert (assignment order within one), each expert's run padded to a
+    multiple of block_m, one expert id per row block: SGLang's `moe_align_block_size`. Sized by
+    the bound T*k + min(E, T*k) * (block_m - 1) rows, not by the counts, so nothing is read on
+    the host (trailing blocks past the last run hold -1 rows only and exit at once)."""
     flat = index.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    rows, experts, start = [], [], 0
-    for expert, count in enumerate(counts):
-        padded = -(-count // block_m) * block_m
-        run = torch.full((padded,), -1, dtype=torch.long, device=index.device)
-        run[:count] = order[start : start + count]
-        rows.append(run)
-        experts += [expert] * (padded // block_m)
-        start += count
-    experts_t = torch.tensor(experts, dtype=torch.long, device=index.device)
-    return Layout(torch.cat(rows), experts_t, block_m)
+    n, device = flat.shape[0], index.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # each expert's run is [ends - padded, ends)
+    order = flat.argsort(stable=True)  # assignment ids grouped by expert
+    expert_of = flat[order]
+    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    rows = torch.full((blocks * block_m,), -1, dtype=torch.long, device=device)
+    rows.index_copy_(0, (ends - padded)[expert_of] + rank, order)
+    starts = torch.arange(blocks, device=device) * block_m
+    experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return Layout(rows, experts, block_m)
 
 
 @triton.jit
@@ -140,11 +150,13 @@ def expert_scales(experts) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return experts.gate_up_proj_scale_inv, experts.down_proj_scale_inv
 
 
-def grouped_experts(experts, x, index, weights, layout: str = "masked") -> torch.Tensor:
+def grouped_experts(experts, x, index, weights, layout: str = "auto") -> torch.Tensor:
     """The `moe` op: sum_j weights[t, j] * expert_{index[t, j]}(x[t]) -> [T, H] in x's dtype.
-    `masked` (no host sync, capturable) or `contiguous` (prefill-sized batches)."""
+    `masked` (decode), `contiguous` (prefill) or `auto` (by the row count); none syncs."""
     tokens, top_k = index.shape
     count = experts.gate_up_proj.shape[0]
+    if layout == "auto":
+        layout = "masked" if tokens <= MASKED_MAX_TOKENS else "contiguous"
     build = masked_layout if layout == "masked" else contiguous_layout
     plan = build(index, count)
     gate_scale, down_scale = expert_scales(experts)

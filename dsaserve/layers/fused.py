@@ -63,8 +63,9 @@ def _whole(module: nn.Module) -> bool:
 def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     attn: MLAttention = layer.self_attn
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
-    if ffn is None:
-        return None
+    experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
+    if ffn is None or (experts is not None and experts.down_proj.dtype != torch.float32):
+        return None  # FP8 experts (kernels/fp8_experts.py) run the `moe` op, layered
     into = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
     from_q = [attn.q_b_proj]
     if attn.indexer is not None:

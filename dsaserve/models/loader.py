@@ -6,7 +6,9 @@ so loading is a lookup. Two translations happen on the way:
 - per-expert tensors `...mlp.experts.{e}.{gate,up,down}_proj.weight` are written into the
   fused `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I];
   a fused checkpoint is taken as is;
-- block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU.
+- block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU, unless the
+  model holds that tensor FP8 (kernels/fp8_linear.py, kernels/fp8_experts.py): then the bytes
+  and the scales are copied as stored (per-expert scales into the fused `*_scale_inv` grid).
 
 Router weights (`mlp.gate.weight`, `e_score_correction_bias`) stay float32; all else is cast to
 the requested dtype. Tensors the model lacks (e.g. an MTP layer it skips) are ignored.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,36 +33,24 @@ from dsaserve.models.checkpoint_files import (
     tensor_locations,
 )
 from dsaserve.models.checkpoint_slices import Index, pad_to, read_piece, shard_pieces
-from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX, dequantize_block_fp8
+from dsaserve.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8
+from dsaserve.models.load_targets import (
+    FP8_DTYPES,
+    Target,
+    check_shape,
+    collect_targets,
+    missing_name,
+    storage,
+)
 from dsaserve.models.nvfp4 import companion_of, is_nvfp4_weight, read_nvfp4
 
 __all__ = ["CheckpointError", "load_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 EXPERT_RE = re.compile(
     r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@dataclass
-class _Target:
-    """One model tensor (with all the names it is reachable by) and what has been written."""
-
-    names: list[str]
-    owners: list[tuple[nn.Module, str]]
-    tensor: torch.Tensor
-    dtype: torch.dtype
-    filled: bool = False
-    pieces: set[tuple[int, str]] = field(default_factory=set)
-    shard: object = None  # a distributed.linear Shard / ExpertShard: this rank's slice
-
-    def shard_dim(self, ndim: int) -> int:
-        """The checkpoint dim the shard splits (pieces are joined along it)."""
-        shard = self.shard
-        return (shard.inner.dim if hasattr(shard, "inner") else shard.dim) % ndim
 
 
 def load_checkpoint(
@@ -72,7 +61,7 @@ def load_checkpoint(
         raise CheckpointError(f"load dtype must be a floating torch.dtype, got {dtype!r}")
     folder = Path(path)
     files = find_checkpoint_files(folder)
-    targets = _collect_targets(model, dtype)
+    targets = collect_targets(model, dtype)
     loader = _Loader(targets, tensor_locations(files), fp8_block_size(folder))
     with (
         torch.no_grad(),
@@ -91,56 +80,11 @@ def load_checkpoint(
     loader.check_complete(folder)
 
 
-def _collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, _Target]:
-    """Every parameter and persistent buffer by each of its names (tied tensors share one)."""
-    by_identity: dict[int, _Target] = {}
-    by_name: dict[str, _Target] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        persistent = {
-            attr: buf
-            for attr, buf in module._buffers.items()
-            if buf is not None and attr not in module._non_persistent_buffers_set
-        }
-        params = {attr: p for attr, p in module._parameters.items() if p is not None}
-        for attr, tensor in {**params, **persistent}.items():
-            name = f"{prefix}.{attr}" if prefix else attr
-            target = by_identity.get(id(tensor))
-            if target is None:
-                target = _Target([], [], tensor, dtype, shard=getattr(tensor, "shard", None))
-                by_identity[id(tensor)] = target
-            target.names.append(name)
-            target.owners.append((module, attr))
-            if name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
-                target.dtype = torch.float32
-            if tensor.dtype in FP8_DTYPES:
-                target.dtype = tensor.dtype
-            by_name[name] = target
-    return by_name
-
-
-def _storage(target: _Target) -> torch.Tensor:
-    """The target's tensor, first reallocated (same device) if meta or of another dtype."""
-    current = target.tensor
-    if not current.is_meta and current.dtype == target.dtype:
-        return current
-    device = torch.device("cpu") if current.is_meta else current.device
-    fresh = torch.empty(current.shape, dtype=target.dtype, device=device)
-    if isinstance(current, nn.Parameter):
-        fresh = nn.Parameter(fresh, requires_grad=current.requires_grad)
-    for module, attr in target.owners:
-        if isinstance(fresh, nn.Parameter):
-            module._parameters[attr] = fresh
-        else:
-            module._buffers[attr] = fresh
-    target.tensor = fresh
-    return fresh
-
-
 class _Loader:
     """Places each checkpoint tensor into its model target; tracks what is still missing."""
 
     def __init__(
-        self, targets: dict[str, _Target], locations: dict[str, Path], block: tuple[int, int]
+        self, targets: dict[str, Target], locations: dict[str, Path], block: tuple[int, int]
     ) -> None:
         self.targets = targets
         self.locations = locations
@@ -169,12 +113,28 @@ class _Loader:
         if target is not None:
             tensor = self._read_target(name, handle, file, device, target, raw)
             self._place_whole(name, target, tensor)
+        elif fused.dtype in FP8_DTYPES:  # experts kept FP8 (kernels/fp8_experts)
+            self._place_fp8_expert(name, handle, file, expert, fused)
         else:
             pieces = self._expert_pieces(handle, name, fused, expert)
             tensor = torch.cat([self._read(name, handle, file, device, p) for p in pieces], 0)
             self._place_expert(name, expert, fused, tensor)
 
-    def _read_target(self, name, handle, file, device, target: _Target, raw: bool) -> torch.Tensor:
+    def _place_fp8_expert(self, name, handle, file: Path, expert, target: Target) -> None:
+        """One expert's e4m3 weight and its scale rows, as stored, into the fused tensors."""
+        weight = self._read(name, handle, file, None, raw=True)
+        scale_name = name + SCALE_SUFFIX
+        if weight.dtype not in FP8_DTYPES or scale_name not in self.locations:
+            stored = scale_name in self.locations
+            raise CheckpointError(
+                f"expert tensor {name} in {file} is not block-FP8 ({weight.dtype}, "
+                f"{scale_name} stored: {stored}); the model keeps it FP8"
+            )
+        self._place_expert(name, expert, target, weight)
+        scales = self.targets[target.names[0] + SCALE_SUFFIX]
+        self._place_expert(scale_name, expert, scales, self._sibling(scale_name, handle, file))
+
+    def _read_target(self, name, handle, file, device, target: Target, raw: bool) -> torch.Tensor:
         """The target's slice (all of it without a shard), zero-padded to the local shape."""
         if target.shard is None:
             return self._read(name, handle, file, device, raw=raw)
@@ -186,12 +146,12 @@ class _Loader:
         return pad_to(torch.cat(parts, dim), target.shard, tuple(target.tensor.shape))
 
     @staticmethod
-    def _holds_expert(target: _Target, index: int) -> bool:
+    def _holds_expert(target: Target, index: int) -> bool:
         shard = target.shard
         return shard is None or shard.first <= index < shard.first + shard.count
 
     @staticmethod
-    def _expert_pieces(handle, name: str, target: _Target, expert: re.Match[str]) -> list:
+    def _expert_pieces(handle, name: str, target: Target, expert: re.Match[str]) -> list:
         """Index tuples of one per-expert tensor [rows, cols] that this rank holds."""
         shape = list(handle.get_slice(name).get_shape())
         if target.shard is None:
@@ -255,18 +215,18 @@ class _Loader:
         except ValueError as exc:
             raise CheckpointError(f"FP8 tensor {name} in {file}: {exc}") from None
 
-    def _fused_target(self, expert: re.Match[str]) -> _Target | None:
+    def _fused_target(self, expert: re.Match[str]) -> Target | None:
         kind = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"
         target = self.targets.get(f"{expert['prefix']}.{kind}")
         return target if target is not None and target.tensor.dim() == 3 else None
 
-    def _place_whole(self, name: str, target: _Target, tensor: torch.Tensor) -> None:
-        _check_shape(name, tuple(target.tensor.shape), tuple(tensor.shape))
-        _storage(target).copy_(tensor)
+    def _place_whole(self, name: str, target: Target, tensor: torch.Tensor) -> None:
+        check_shape(name, tuple(target.tensor.shape), tuple(tensor.shape))
+        storage(target).copy_(tensor)
         target.filled = True
 
     def _place_expert(
-        self, name: str, expert: re.Match[str], target: _Target, tensor: torch.Tensor
+        self, name: str, expert: re.Match[str], target: Target, tensor: torch.Tensor
     ) -> None:
         num_experts, rows, cols = target.tensor.shape
         index, proj = int(expert["expert"]), expert["proj"]
@@ -280,14 +240,14 @@ class _Loader:
         row_slice = {"gate_proj": slice(0, half), "up_proj": slice(half, rows)}.get(
             proj, slice(0, rows)
         )
-        _check_shape(name, (row_slice.stop - row_slice.start, cols), tuple(tensor.shape))
-        _storage(target)[index, row_slice].copy_(tensor)
+        check_shape(name, (row_slice.stop - row_slice.start, cols), tuple(tensor.shape))
+        storage(target)[index, row_slice].copy_(tensor)
         target.pieces.add((index, proj))
 
     def check_complete(self, folder: Path) -> None:
         missing = []
         for target in {id(t): t for t in self.targets.values()}.values():
-            name = _missing_name(target)
+            name = missing_name(target)
             if name is not None:
                 missing.append(name)
         if missing:
@@ -295,29 +255,3 @@ class _Loader:
             raise CheckpointError(f"checkpoint {folder} has no tensor {missing[0]}{more}")
         if self.ignored:
             logger.info("ignored %d checkpoint tensors the model does not use", len(self.ignored))
-
-
-def _check_shape(name: str, expected: tuple[int, ...], found: tuple[int, ...]) -> None:
-    if expected != found:
-        raise CheckpointError(
-            f"shape mismatch for {name}: the model expects {list(expected)}, "
-            f"the checkpoint has {list(found)}"
-        )
-
-
-def _missing_name(target: _Target) -> str | None:
-    """A name to report if `target` was not (fully) written, else None."""
-    if target.filled:
-        return None
-    fused = next((m for m in map(FUSED_EXPERTS_RE.match, target.names) if m), None)
-    if fused is None or target.tensor.dim() != 3:
-        return target.names[0]
-    projs = ("down_proj",) if fused["kind"] == "down_proj" else ("gate_proj", "up_proj")
-    if not target.pieces:
-        per_expert = "/".join(projs)
-        return f"{fused[0]} (nor per-expert {fused['prefix']}.{{e}}.{per_expert}.weight)"
-    for index in range(target.tensor.shape[0]):
-        for proj in projs:
-            if (index, proj) not in target.pieces:
-                return f"{fused['prefix']}.{index}.{proj}.weight"
-    return None
