@@ -20,6 +20,7 @@ from dsaserve import LLM, SamplingParams
 from dsaserve.kernels import cpu_decode
 from dsaserve.layers.fused import FusedDecode, rotation
 from dsaserve.layers.rotary import apply_rotary
+from dsaserve.layers.topk import topk_earliest
 
 MODES = {"python": {"disable_native_decode": True}, "native": {}}
 
@@ -60,6 +61,21 @@ def test_native_index_scores_read_the_pool_in_place(heads, dim):
     got = cpu_decode.extension().index_scores(q, w, pool, slots, valid)
     want = (w[:, None] * torch.relu(q @ pool[slots].T)).sum(0).masked_fill(~valid, float("-inf"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_native_topk_is_topk_earliest():
+    """The native top-k (one heap pass) picks what `topk_earliest` picks: on exact ties the
+    earlier position, -inf (positions a row cannot see) last, positions in increasing order."""
+    if cpu_decode.extension() is None:
+        pytest.skip("the native decode extension does not build here")
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randint(0, 6, (6, 500), generator=g).float()  # many exact ties
+    scores[1, 300:] = float("-inf")
+    scores[2, 40:] = float("-inf")  # fewer visible keys than k
+    scores[3] = torch.randn(500, generator=g)
+    for k in (1, 64, 499):
+        got = cpu_decode.extension().topk_earliest(scores, k)
+        torch.testing.assert_close(got, topk_earliest(scores, k).sort(-1).values)
 
 
 CASES = [

@@ -209,23 +209,29 @@ void score_keys(const float* q, const float* w, const float* cache, const int64_
 }
 
 // Positions of the k largest scores of a row, equal scores to the earlier position, in
-// increasing position order (dsaserve/layers/topk.py topk_earliest, row by row).
-void topk_earliest_row(const float* scores, int64_t length, int64_t k, std::vector<float>& work,
-                       int64_t* out) {
-  work.assign(scores, scores + length);
-  std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<float>());
-  const float kth = work[k - 1];
-  int64_t above = 0;
-  for (int64_t i = 0; i < length; ++i) above += scores[i] > kth;
-  int64_t ties = k - above, n = 0;
-  for (int64_t i = 0; i < length && n < k; ++i) {
-    if (scores[i] > kth) {
-      out[n++] = i;
-    } else if (scores[i] == kth && ties > 0) {
-      out[n++] = i;
-      --ties;
+// increasing position order (dsaserve/layers/topk.py topk_earliest, row by row). One pass in
+// position order with a heap of the k best so far, its worst on top (the lowest score; of equal
+// scores the later position): a later key enters only with a strictly higher score, so one
+// comparison settles almost every key.
+void topk_earliest_row(const float* scores, int64_t length, int64_t k,
+                       std::vector<std::pair<float, int64_t>>& heap, int64_t* out) {
+  const auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  heap.clear();
+  for (int64_t i = 0; i < length; ++i) {
+    const float score = scores[i];
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.emplace_back(score, i);
+      std::push_heap(heap.begin(), heap.end(), better);
+    } else if (score > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), better);
+      heap.back() = {score, i};
+      std::push_heap(heap.begin(), heap.end(), better);
     }
   }
+  for (int64_t j = 0; j < k; ++j) out[j] = heap[j].second;
+  std::sort(out, out + k);
 }
 
 struct Layer {
@@ -442,8 +448,8 @@ class DecodeLayers {
     const float* sc = scores.data_ptr<float>();
     Tensor picks = torch::empty({rows, topk}, slots.options().dtype(torch::kLong));
     int64_t* op = picks.data_ptr<int64_t>();
-    std::vector<float> work;
-    for (int64_t t = 0; t < rows; ++t) topk_earliest_row(sc + t * length, length, topk, work,
+    std::vector<std::pair<float, int64_t>> heap;
+    for (int64_t t = 0; t < rows; ++t) topk_earliest_row(sc + t * length, length, topk, heap,
                                                          op + t * topk);
     return picks;
   }
@@ -573,6 +579,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     score_keys(q.data_ptr<float>(), w.data_ptr<float>(), pool.data_ptr<float>(),
                slots.data_ptr<int64_t>(), valid.data_ptr<bool>(), 0, slots.size(0), q.size(0),
                q.size(1), out.data_ptr<float>());
+    return out;
+  });
+  // The indexer's top-k of each row of scores [R, L] (fp32): [R, k] positions, increasing.
+  m.def("topk_earliest", [](const Tensor& scores, int64_t k) {
+    const Tensor sc = scores.contiguous();
+    Tensor out = torch::empty({sc.size(0), k}, sc.options().dtype(torch::kLong));
+    std::vector<std::pair<float, int64_t>> heap;
+    for (int64_t r = 0; r < sc.size(0); ++r)
+      topk_earliest_row(sc.data_ptr<float>() + r * sc.size(1), sc.size(1), k, heap,
+                        out.data_ptr<int64_t>() + r * k);
     return out;
   });
 }
