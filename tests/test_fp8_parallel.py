@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from tiny_models import make_checkpoint
 from triton_env import needs_triton
@@ -58,16 +59,18 @@ def _part(tensor: torch.Tensor, local: list[int], rank: int) -> torch.Tensor:
     return tensor.narrow(dim, rank * local[dim], local[dim])
 
 
-def _expected(f, name: str, local: list[int], rank: int) -> torch.Tensor:
-    """The checkpoint's bytes of a kept tensor as rank `rank` should hold them."""
+def _expected(f, name: str, local: list[int], rank: int, ep: int) -> torch.Tensor:
+    """The checkpoint's bytes of a kept tensor as rank `rank` should hold them (under EP its
+    whole experts [rank * E / ep, (rank + 1) * E / ep))."""
     fused = EXPERT_RE.match(name)
     if fused is None:
         return _part(f.get_tensor(name), local, rank)
+    first = rank * local[0] if ep > 1 else 0
     suffix = ".weight" + (fused["scale"] or "")
     projs = ("gate_proj", "up_proj") if fused["kind"] == "gate_up_proj" else ("down_proj",)
     per_proj = [local[1] // len(projs), local[2]]
     experts = []
-    for e in range(local[0]):
+    for e in range(first, first + local[0]):
         parts = [_part(f.get_tensor(f"{fused['layer']}.{e}.{p}{suffix}"), per_proj, rank)
                  for p in projs]  # fmt: skip
         experts.append(torch.cat(parts))
@@ -80,11 +83,17 @@ def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(list(o.token_ids), [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
-def test_every_rank_keeps_its_block_slices_fp8_and_matches_tp1(fp8) -> None:
+@pytest.fixture(scope="module")
+def tp1(fp8):
     with LLM(str(fp8), **FLAGS) as one:
-        want = _run(one)
-        single = one.engine.fp8_ranks
-    with LLM(str(fp8), tp_size=2, **FLAGS) as llm:
+        return _run(one), one.engine.fp8_ranks
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_every_rank_keeps_its_block_slices_fp8_and_matches_tp1(fp8, tp1, ep) -> None:
+    """tp 2 (each expert's intermediate split in two), or tp 2 ep 2 (4 whole experts a rank)."""
+    want, single = tp1
+    with LLM(str(fp8), tp_size=2, ep_size=ep, **FLAGS) as llm:
         got = _run(llm)
         reports = llm.engine.fp8_ranks
         stats = llm.engine.stats()["fp8_ranks"]
@@ -103,7 +112,7 @@ def test_every_rank_keeps_its_block_slices_fp8_and_matches_tp1(fp8) -> None:
             for name, (dtype, shape, digest) in report.tensors.items():
                 scale = name.endswith("_scale_inv")
                 assert dtype == str(torch.float32 if scale else torch.float8_e4m3fn), name
-                want_bytes = _expected(f, name, shape, report.rank)
+                want_bytes = _expected(f, name, shape, report.rank, ep)
                 assert list(want_bytes.shape) == shape and checksum(want_bytes) == digest, name
     # the two ranks hold different halves (a checksum that saw one rank's bytes twice fails)
     q_b = "model.layers.0.self_attn.q_b_proj.weight"
@@ -149,3 +158,22 @@ def test_slices_off_the_blocks_are_dequantised_and_named(fp8, caplog) -> None:
         name = "model.layers.0.self_attn.q_b_proj.weight"
         whole = dequantize_block_fp8(f.get_tensor(name), f.get_tensor(name + "_scale_inv"))
     assert torch.equal(attn.q_b_proj.weight, whole[64:128])
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_the_moe_layouts_leave_out_another_ranks_experts(layout) -> None:
+    """Routing ids -1 (an EP rank's view of others' experts) add nothing, in both layouts."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    gen = torch.Generator().manual_seed(3)
+    experts = SimpleNamespace(gate_up_proj=torch.randn(4, 256, 64, generator=gen) / 8,
+                              down_proj=torch.randn(4, 64, 128, generator=gen) / 8)  # fmt: skip
+    x = torch.randn(5, 64, generator=gen)
+    index = torch.tensor([[0, -1, 2], [-1, -1, 3], [1, 2, -1], [-1, -1, -1], [3, 0, 1]])
+    weights = torch.rand(5, 3, generator=gen)
+    got = grouped_experts(experts, x, index, weights, layout)
+    want = torch.zeros_like(x)
+    for t, j in (index >= 0).nonzero().tolist():
+        gate, up = (x[t] @ experts.gate_up_proj[index[t, j]].T).chunk(2)
+        want[t] += weights[t, j] * (F.silu(gate) * up) @ experts.down_proj[index[t, j]].T
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)

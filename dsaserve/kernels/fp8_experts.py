@@ -15,10 +15,10 @@ them: masked for decode-sized batches, contiguous above.
 Under tensor parallelism each rank holds rows [r*I/tp, (r+1)*I/tp) of every expert's gate and up
 and those columns of its down, with the same blocks of the scale grids (the scales carry the
 weights' `ExpertShard`, so the loader reads only this rank's blocks); under expert parallelism
-whole experts [first, first + E/ep), and the op sees routing indices made local (another rank's
-assignments weigh 0). Kept only where that is exact: this rank's intermediate slice a multiple
-of 128 (else a slice or the gate / up seam would cut a scale block); elsewhere the experts are
-dequantised on load.
+whole experts [first, first + E/ep), and the op sees routing indices made local (-1 for
+another rank's: the layouts of kernels/triton_moe.py leave those out). Kept only where that is
+exact: this rank's intermediate slice a multiple of 128 (else a slice or the gate / up seam
+would cut a scale block); elsewhere the experts are dequantised on load.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ class Fp8Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         count = self.gate_up_proj.shape[0]
-        if count < self.num_experts:  # expert parallel: local ids, others' assignments weigh 0
+        if count < self.num_experts:  # expert parallel: local ids, -1 for another rank's
             local = index - self.first
             mine = (local >= 0) & (local < count)
-            index, weights = torch.where(mine, local, 0), weights * mine
+            index, weights = torch.where(mine, local, -1), weights * mine
         return self.moe(self, x, index, weights)
 
 
