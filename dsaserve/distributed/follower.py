@@ -38,6 +38,8 @@ def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunne
     from dsaserve.engine.kv_pool import KVPool
     from dsaserve.engine.kv_quant import resolve_kv_dtype
     from dsaserve.engine.startup import layer_split, load_model, pick_dtype, pool_pages
+    from dsaserve.kernels.fp8_keep import KeptFp8, keep_fp8_weights, rank_reports
+    from dsaserve.kernels.registry import choose_kernels
     from dsaserve.model_config import ModelConfig
     from dsaserve.models.dsa_moe import index_cache_ids
 
@@ -45,7 +47,18 @@ def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunne
     dtype = pick_dtype(args.dtype, config, device)
     spec = speculative_settings(args)
     with_mtp = bool(spec) and spec[0] > 0
-    model = load_model(args, config, dtype, device, with_mtp, parallel, show_progress=False)
+    kernels = choose_kernels(args, device.type)
+    kept = KeptFp8()
+
+    def keep(model: torch.nn.Module) -> None:  # this rank's slice kept FP8, as the leader's
+        nonlocal kept
+        kept = keep_fp8_weights(model, config.quantization, kernels.names, kernels,
+                                args.model_path)  # fmt: skip
+
+    model = load_model(args, config, dtype, device, with_mtp, parallel, show_progress=False,
+                       before_load=keep)  # fmt: skip
+    if config.quantization == "fp8":  # the leader's engine gathers every rank's report
+        rank_reports(model, parallel, kept)
     stored = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)  # the leader's pool layout
     pages = pool_pages(args, config, with_mtp, stored, device, parallel)
     index_layers = len(index_cache_ids(config, with_mtp))

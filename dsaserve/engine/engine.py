@@ -43,12 +43,11 @@ from dsaserve.grammar.backend import make_backend
 from dsaserve.grammar.bitmask import fill_bitmask
 from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
 from dsaserve.grammar.state import GrammarState
-from dsaserve.kernels.fp8_experts import expert_bytes, keep_fp8_experts
-from dsaserve.kernels.fp8_linear import keep_fp8
+from dsaserve.kernels.fp8_experts import expert_bytes
+from dsaserve.kernels.fp8_keep import keep_fp8_weights, rank_reports
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
-from dsaserve.models.checkpoint_files import fp8_block_size
 from dsaserve.models.dsa_moe import index_cache_ids
 from dsaserve.sampling_params import SamplingParams
 
@@ -124,26 +123,18 @@ class Engine:
                                 self.with_mtp, self.parallel, show_progress,
                                 before_load=self._keep_fp8)  # fmt: skip
         self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
+        self.fp8_ranks = []  # every rank's FP8 report (a collective, as the followers do)
+        if self.model_config.quantization == "fp8":
+            self.fp8_ranks = rank_reports(self.model, self.parallel, self.fp8_kept)
 
     def _keep_fp8(self, model: nn.Module) -> None:
         """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs
-        and their routed experts FP8 when the `moe` op is one that consumes FP8 (one rank only
-        in this build: sharded Linears and experts are dequantised)."""
-        self.fp8_linears = self.fp8_experts = 0
-        names = self.kernels.names
-        if self.model_config.quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":
-            return
-        if self.parallel.world > 1:
-            logger.warning("--fp8-gemm-backend / --moe-runner-backend: sharded FP8 weights are "
-                           "dequantised on load")  # fmt: skip
-            return
-        if fp8_block_size(Path(self.args.model_path)) != (128, 128):
-            logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
-            return
-        if names["fp8_gemm"] != "torch":
-            self.fp8_linears = keep_fp8(model, self.kernels.fp8_gemm)
-        if names["moe"] != "torch":
-            self.fp8_experts = keep_fp8_experts(model, self.kernels.moe)
+        and their routed experts FP8 when the `moe` op consumes FP8, on every rank (its slice;
+        kernels/fp8_keep.py)."""
+        self.fp8_kept = keep_fp8_weights(model, self.model_config.quantization,
+                                         self.kernels.names, self.kernels,
+                                         self.args.model_path)  # fmt: skip
+        self.fp8_linears, self.fp8_experts = self.fp8_kept.linears, self.fp8_kept.expert_layers
 
     def _init_pool(self) -> None:
         cfg, args = self.model_config, self.args
@@ -439,6 +430,7 @@ class Engine:
             "fp8_linears_kept": self.fp8_linears,
             "fp8_expert_layers_kept": self.fp8_experts,
             "routed_expert_bytes": self.routed_expert_bytes,
+            "fp8_ranks": [report.summary() for report in self.fp8_ranks],
             "cuda_graph": self.graphs.stats() if self.graphs is not None else None,
             "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
             "num_retractions": self.scheduler.num_retractions,

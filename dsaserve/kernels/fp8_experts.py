@@ -10,9 +10,15 @@ every MoE layer's `Experts` for `Fp8Experts` before loading, so the loader copie
 
 the layout kernels/triton_moe.py reads (half the bytes of bf16, a quarter of fp32). Every call
 (the layered prefill and decode, the static decode a CUDA graph holds) is the `moe` op over
-them: masked for decode-sized batches, contiguous above. Kept only where that is exact: one
-rank (no expert or tensor split of the experts) and I a multiple of 128 (else the gate and up
-scale blocks would overlap in the fused tensor); elsewhere the experts are dequantised on load.
+them: masked for decode-sized batches, contiguous above.
+
+Under tensor parallelism each rank holds rows [r*I/tp, (r+1)*I/tp) of every expert's gate and up
+and those columns of its down, with the same blocks of the scale grids (the scales carry the
+weights' `ExpertShard`, so the loader reads only this rank's blocks); under expert parallelism
+whole experts [first, first + E/ep), and the op sees routing indices made local (-1 for
+another rank's: the layouts of kernels/triton_moe.py leave those out). Kept only where that is
+exact: this rank's intermediate slice a multiple of 128 (else a slice or the gate / up seam
+would cut a scale block); elsewhere the experts are dequantised on load.
 """
 
 from __future__ import annotations
@@ -43,17 +49,24 @@ class Fp8Experts(nn.Module):
             scale = torch.empty(scale_shape(like.shape), dtype=torch.float32, device=like.device)
             setattr(self, name, nn.Parameter(weight, requires_grad=False))
             setattr(self, f"{name}_scale_inv", nn.Parameter(scale, requires_grad=False))
+            shard = getattr(like, "shard", None)
+            if shard is not None:  # this rank's experts and slice: the same blocks of the scales
+                getattr(self, name).shard = shard
+                getattr(self, f"{name}_scale_inv").shard = shard
         self.moe = moe
 
     def forward(self, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        count = self.gate_up_proj.shape[0]
+        if count < self.num_experts:  # expert parallel: local ids, -1 for another rank's
+            local = index - self.first
+            mine = (local >= 0) & (local < count)
+            index, weights = torch.where(mine, local, -1), weights * mine
         return self.moe(self, x, index, weights)
 
 
 def keepable(experts: Experts) -> bool:
-    """One rank's whole experts, I a multiple of the scale block."""
-    whole = getattr(experts.gate_up_proj, "shard", None) is None
-    local = experts.gate_up_proj.shape[0] == experts.num_experts
-    return whole and local and experts.down_proj.shape[-1] % BLOCK == 0
+    """This rank's slice of every expert's intermediate size a multiple of the scale block."""
+    return experts.down_proj.shape[-1] % BLOCK == 0
 
 
 def keep_fp8_experts(model: nn.Module, moe: Callable) -> int:
@@ -68,8 +81,9 @@ def keep_fp8_experts(model: nn.Module, moe: Callable) -> int:
         module.experts = Fp8Experts(module.experts, moe)
         swapped += 1
     if skipped:
-        logger.warning("%d MoE layers' experts are dequantised on load (sharded, or the expert "
-                       "intermediate size is not a multiple of %d)", skipped, BLOCK)  # fmt: skip
+        logger.warning("%d MoE layers' experts are dequantised on load (this rank's slice of "
+                       "the expert intermediate size is not a multiple of %d)",
+                       skipped, BLOCK)  # fmt: skip
     return swapped
 
 

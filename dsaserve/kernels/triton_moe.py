@@ -49,36 +49,45 @@ class Layout(NamedTuple):
 
 
 def masked_layout(index: torch.Tensor, num_experts: int, block_m: int = 16) -> Layout:
-    """Per expert, its assignment ids padded to T (a multiple of block_m): no host sync."""
+    """Per expert, its assignment ids padded to T (a multiple of block_m): no host sync.
+    Negative ids (another rank's experts, kernels/fp8_experts.py) are left out."""
     tokens, top_k = index.shape
     flat = index.reshape(-1)
+    mine = flat >= 0
+    safe = flat.clamp(min=0)
     cap = -(-tokens // block_m) * block_m  # an expert appears at most once per token
     hits = torch.zeros(flat.shape[0], num_experts, dtype=torch.int32, device=index.device)
-    hits.scatter_(1, flat[:, None], 1)
-    slot = (hits.cumsum(0).gather(1, flat[:, None])[:, 0] - 1).long()  # rank within its expert
-    table = torch.full((num_experts, cap), -1, dtype=torch.long, device=index.device)
-    table[flat, slot] = torch.arange(flat.shape[0], device=index.device)
+    hits.scatter_(1, safe[:, None], mine[:, None].int())
+    slot = (hits.cumsum(0).gather(1, safe[:, None])[:, 0] - 1).long()  # rank within its expert
+    slot = torch.where(mine, slot, cap)  # left out: a scratch column, cut off below
+    table = torch.full((num_experts, cap + 1), -1, dtype=torch.long, device=index.device)
+    table[safe, slot] = torch.arange(flat.shape[0], device=index.device)
     blocks = torch.arange(num_experts * (cap // block_m), device=index.device) // (cap // block_m)
-    return Layout(table.reshape(-1), blocks, block_m)
+    return Layout(table[:, :cap].reshape(-1), blocks, block_m)
 
 
 def contiguous_layout(index: torch.Tensor, num_experts: int, block_m: int = 64) -> Layout:
     """Assignments sorted by expert (assignment order within one), each expert's run padded to a
     multiple of block_m, one expert id per row block: SGLang's `moe_align_block_size`. Sized by
     the bound T*k + min(E, T*k) * (block_m - 1) rows, not by the counts, so nothing is read on
-    the host (trailing blocks past the last run hold -1 rows only and exit at once)."""
-    flat = index.reshape(-1)
-    n, device = flat.shape[0], index.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    the host (trailing blocks past the last run hold -1 rows only and exit at once). Negative
+    ids (another rank's experts) sort last, into a scratch row cut off below."""
+    n, device = index.numel(), index.device
+    flat = torch.where(index.reshape(-1) >= 0, index.reshape(-1), num_experts)  # E: left out
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)  # each expert's run is [ends - padded, ends)
     order = flat.argsort(stable=True)  # assignment ids grouped by expert
     expert_of = flat[order]
-    rank = torch.arange(n, device=device) - (counts.cumsum(0) - counts)[expert_of]
+    starts_of = F.pad(counts.cumsum(0) - counts, (0, 1))[expert_of]
+    rank = torch.arange(n, device=device) - starts_of
     blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
-    rows = torch.full((blocks * block_m,), -1, dtype=torch.long, device=device)
-    rows.index_copy_(0, (ends - padded)[expert_of] + rank, order)
+    rows = torch.full((blocks * block_m + 1,), -1, dtype=torch.long, device=device)
+    where = F.pad(ends - padded, (0, 1), value=blocks * block_m)[expert_of]
+    rows.index_copy_(0, torch.where(expert_of < num_experts, where + rank, where), order)
+    rows = rows[:-1]
     starts = torch.arange(blocks, device=device) * block_m
     experts = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
     return Layout(rows, experts, block_m)

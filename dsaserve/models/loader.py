@@ -8,7 +8,9 @@ so loading is a lookup. Two translations happen on the way:
   a fused checkpoint is taken as is;
 - block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU, unless the
   model holds that tensor FP8 (kernels/fp8_linear.py, kernels/fp8_experts.py): then the bytes
-  and the scales are copied as stored (per-expert scales into the fused `*_scale_inv` grid).
+  and the scales are copied as stored (per-expert scales into the fused `*_scale_inv` grid),
+  under tensor / expert parallelism only this rank's slice of each (the scale parameter carries
+  the weight's shard, so its pieces are the blocks covering the weight's).
 
 Router weights (`mlp.gate.weight`, `e_score_correction_bias`) stay float32; all else is cast to
 the requested dtype. Tensors the model lacks (e.g. an MTP layer it skips) are ignored.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -121,28 +124,34 @@ class _Loader:
             self._place_expert(name, expert, fused, tensor)
 
     def _place_fp8_expert(self, name, handle, file: Path, expert, target: Target) -> None:
-        """One expert's e4m3 weight and its scale rows, as stored, into the fused tensors."""
-        weight = self._read(name, handle, file, None, raw=True)
+        """This rank's rows / columns of one expert's e4m3 weight and the matching blocks of
+        its scale, as stored, into the fused tensors (kernels/fp8_experts.py)."""
         scale_name = name + SCALE_SUFFIX
-        if weight.dtype not in FP8_DTYPES or scale_name not in self.locations:
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype not in ("F8_E4M3", "F8_E5M2") or scale_name not in self.locations:
             stored = scale_name in self.locations
             raise CheckpointError(
-                f"expert tensor {name} in {file} is not block-FP8 ({weight.dtype}, "
+                f"expert tensor {name} in {file} is not block-FP8 ({dtype}, "
                 f"{scale_name} stored: {stored}); the model keeps it FP8"
             )
-        self._place_expert(name, expert, target, weight)
+        (piece,) = self._expert_pieces(handle, name, target, expert)
+        self._place_expert(name, expert, target, self._read(name, handle, file, None, piece, True))
         scales = self.targets[target.names[0] + SCALE_SUFFIX]
-        self._place_expert(scale_name, expert, scales, self._sibling(scale_name, handle, file))
+        where = self.locations[scale_name]
+        with open_safetensors(where) if where != file else nullcontext(handle) as other:
+            (piece,) = self._expert_pieces(other, scale_name, scales, expert)
+            scale = self._read(scale_name, other, where, None, piece, True)
+        self._place_expert(scale_name, expert, scales, scale)
 
     def _read_target(self, name, handle, file, device, target: Target, raw: bool) -> torch.Tensor:
         """The target's slice (all of it without a shard), zero-padded to the local shape."""
         if target.shard is None:
             return self._read(name, handle, file, device, raw=raw)
         shape = list(handle.get_slice(name).get_shape())
-        fused_gate_up = name.endswith(".gate_up_proj")
+        fused_gate_up = name.endswith((".gate_up_proj", ".gate_up_proj" + SCALE_SUFFIX))
         pieces = shard_pieces(target.shard, shape, fused_gate_up)
         dim = (len(shape) - 2) if fused_gate_up else target.shard_dim(len(shape))
-        parts = [self._read(name, handle, file, device, piece) for piece in pieces]
+        parts = [self._read(name, handle, file, device, piece, raw) for piece in pieces]
         return pad_to(torch.cat(parts, dim), target.shard, tuple(target.tensor.shape))
 
     @staticmethod
@@ -165,8 +174,9 @@ class _Loader:
         self, name: str, handle: object, file: Path, device: torch.device | None,
         piece: Index | None = None, raw: bool = False,
     ) -> torch.Tensor:  # fmt: skip
-        if piece is not None:
-            return self._read_piece(name, handle, file, device, piece)
+        if piece is not None:  # raw: as stored (an FP8 slice kept FP8, on whole blocks)
+            view = handle.get_slice(name)
+            return view[piece] if raw else self._read_piece(name, handle, file, device, piece)
         tensor = get_tensor(handle, name, file)
         if raw:
             return tensor
