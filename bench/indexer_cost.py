@@ -9,8 +9,8 @@ Decode: one row over `--context` keys, op by op as the decode paths run it: the 
 key from the pool, the scores GEMM, the ReLU and weighted head sum, the mask, the top-k; then
 the same scores with each 4096-key tile gathered and scored while it is in cache (the layered
 decode path's `indexer_scan.decode_scores`), the native decode path's loop that scores each key
-where it lies in the pool (`kernels/cpu_decode.cpp`, when it builds), and this core's streaming
-read bandwidth (a sum over 512 MB). Best of --repeats.
+where it lies in the pool and its one-pass top-k (`kernels/cpu_decode.cpp`, when it builds),
+and this core's streaming read bandwidth (a sum over 512 MB). Best of --repeats.
 """
 
 from __future__ import annotations
@@ -115,6 +115,9 @@ def main() -> None:
         error = (native.index_scores(*args1) - summed[0]).abs().max().item()
         print(f"  native, each key scored in place: {native_ms:.3f} ms "
               f"({key_mb / native_ms:.1f} GB/s of keys; max |diff| {error:.1e})")  # fmt: skip
+        topk_ms = best_ms(lambda: native.topk_earliest(summed, args.k), 10 * args.repeats)
+        same = torch.equal(native.topk_earliest(summed, args.k), topk_earliest(summed, args.k))
+        print(f"  native top-k (one heap pass): {topk_ms:.3f} ms (same picks: {same})")
     big = torch.ones(128 << 20)  # 512 MB
     read = best_ms(lambda: big.sum(), args.repeats)
     print(f"streaming read: {big.numel() * 4 / read / 1e6:.1f} GB/s")

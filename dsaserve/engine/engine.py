@@ -177,8 +177,9 @@ class Engine:
         # Triton kernels: layered).
         plain = stored == self.dtype and set(self.kernels.names.values()) == {"torch"}
         plain = plain and self.parallel.world == 1  # the ranks run the layered model
-        step = DecodeStep.build(self.model, plain and not args.disable_fused_decode,
-                                args.enable_torch_compile, native=not args.disable_native_decode)
+        fused = plain and not args.disable_fused_decode
+        native = not args.disable_native_decode
+        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
                                   self.graphs)  # fmt: skip
         self.spec = None
