@@ -44,7 +44,7 @@ def test_native_decode_builds():
     assert cpu_decode.extension() is not None
 
 
-@pytest.mark.parametrize("heads,dim", [(8, 64), (32, 20), (5, 24)])  # vector loops, plain loop
+@pytest.mark.parametrize("heads,dim", [(8, 64), (32, 20), (64, 16), (5, 24)])  # vector, plain
 def test_native_index_scores_read_the_pool_in_place(heads, dim):
     """The native indexer's score of key l is sum_h w_h relu(q_h . k(slots[l])), read from
     scattered pool slots, -inf where the row cannot see the key."""

@@ -124,7 +124,7 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t half, bo
   }
 }
 
-// One key's score, plain loops (tails, and CPUs without AVX2/FMA).
+// One key's score in plain loops (other head counts, CPUs without AVX2/FMA).
 float score_key(const float* q, const float* w, const float* key, int64_t heads, int64_t dim) {
   float score = 0;
   for (int64_t h = 0; h < heads; ++h) {
@@ -141,9 +141,9 @@ float score_key(const float* q, const float* w, const float* key, int64_t heads,
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Keys [begin, end) in blocks of 8 / N8 keys, 8 heads to a vector (heads = 8 * N8): q is
-// transposed (qt [dim, heads]) so that one multiply-add per dimension advances the dot products of
-// 8 heads at once, with 8 independent accumulators in flight, and only the final weighted head
+// Keys [begin, end) in blocks of 8 / N8 keys, 8 heads to a vector (heads = 8 * N8, N8 <= 8): q
+// is transposed (qt [dim, heads]) so that one multiply-add per dimension advances the dot products
+// of 8 heads at once, with 8 independent accumulators in flight, and only the final weighted head
 // sum is horizontal. A block past `end` is filled with zero keys, so every key's score takes the
 // same operations wherever the blocks (and the threads' ranges) start.
 template <int N8>
@@ -191,12 +191,14 @@ void score_keys(const float* q, const float* w, const float* cache, const int64_
                 float* out) {
   bool done = false;
 #if defined(__AVX2__) && defined(__FMA__)
-  if (heads == 8 || heads == 16 || heads == 32) {
+  if (heads == 8 || heads == 16 || heads == 32 || heads == 64) {
     std::vector<float> qt(heads * dim), zeros(dim, 0.0f);
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < dim; ++i) qt[i * heads + h] = q[h * dim + i];
-    const auto block = heads == 8 ? score_block8<1> : heads == 16 ? score_block8<2>
-                                                                  : score_block8<4>;
+    const auto block = heads == 8    ? score_block8<1>
+                       : heads == 16 ? score_block8<2>
+                       : heads == 32 ? score_block8<4>
+                                     : score_block8<8>;
     block(qt.data(), w, cache, slots, valid, zeros.data(), begin, end, dim, out);
     done = true;
   }
