@@ -60,6 +60,19 @@ void split(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::set_num_threads(1);
 }
 
+// sum_i a[i] * b[i] in 16 independent lanes (the compiler vectorises them without reordering
+// any lane's sum), then the lanes and the tail: the dot product of every plain loop here.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = 0;
+  for (int j = 0; j < 16; ++j) s += acc[j];
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
 // y[t, o] = sum_i x[t, i] * w[o, i] (+ b[o]) for a few rows t: each weight row is read once.
 void small_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
                   const float* bias, float* y, int64_t y_stride) {
@@ -68,14 +81,7 @@ void small_linear(const float* x, int64_t rows, int64_t in, const float* w, int6
     for (int64_t o = begin; o < end; ++o) {
       const float* wr = w + o * in;
       for (int64_t t = 0; t < rows; ++t) {
-        const float* xr = x + t * in;
-        float acc[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= in; i += 16)
-          for (int j = 0; j < 16; ++j) acc[j] += wr[i + j] * xr[i + j];
-        float s = 0;
-        for (int j = 0; j < 16; ++j) s += acc[j];
-        for (; i < in; ++i) s += wr[i] * xr[i];
+        const float s = dot(wr, x + t * in, in);
         y[t * y_stride + o] = bias ? s + bias[o] : s;
       }
     }
@@ -127,16 +133,7 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t half, bo
 // One key's score in plain loops (other head counts, CPUs without AVX2/FMA).
 float score_key(const float* q, const float* w, const float* key, int64_t heads, int64_t dim) {
   float score = 0;
-  for (int64_t h = 0; h < heads; ++h) {
-    float acc[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= dim; i += 16)
-      for (int j = 0; j < 16; ++j) acc[j] += q[h * dim + i + j] * key[i + j];
-    float d = 0;
-    for (int j = 0; j < 16; ++j) d += acc[j];
-    for (; i < dim; ++i) d += q[h * dim + i] * key[i];
-    score += w[h] * std::max(d, 0.0f);
-  }
+  for (int64_t h = 0; h < heads; ++h) score += w[h] * std::max(dot(q + h * dim, key, dim), 0.0f);
   return score;
 }
 
@@ -361,14 +358,7 @@ class DecodeLayers {
           p[j] = -std::numeric_limits<float>::infinity();
           if (!vp[t * length + at]) continue;
           entry[j] = cp + sp[t * length + at] * dim;
-          float acc[16] = {0};
-          int64_t i = 0;
-          for (; i + 16 <= dim; i += 16)
-            for (int k = 0; k < 16; ++k) acc[k] += q[i + k] * entry[j][i + k];
-          float d = 0;
-          for (int k = 0; k < 16; ++k) d += acc[k];
-          for (; i < dim; ++i) d += q[i] * entry[j][i];
-          p[j] = d * static_cast<float>(scale);
+          p[j] = dot(q, entry[j], dim) * static_cast<float>(scale);
           top = std::max(top, p[j]);
         }
         float total = 0;
