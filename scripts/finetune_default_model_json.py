@@ -49,12 +49,18 @@ def unforce_first_content(example: Example, think_end: int) -> Example:
     return Example(example.ids, loss)
 
 
-def distill_loss(student, teacher_logits, hidden, batch) -> torch.Tensor:
-    """KL(teacher || student) over the trained tokens' next-token distributions."""
+def trained_logits(lm_head, hidden: torch.Tensor, batch) -> torch.Tensor:
+    """Logits at the positions that predict a trained token (lm_loss's positions), fp32."""
     chosen = batch.loss_mask[:, 1:].bool()
-    logp = F.log_softmax(student.lm_head(hidden[:, : chosen.shape[1]][chosen]).float(), -1)
-    return F.kl_div(logp, F.log_softmax(teacher_logits, -1), log_target=True,
-                    reduction="batchmean")  # fmt: skip
+    return lm_head(hidden[:, : chosen.shape[1]][chosen]).float()
+
+
+def replay_losses(logits, teacher_logits, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CE of the trained tokens, KL(teacher || student)) from the student's logits there."""
+    targets = batch.input_ids[:, 1:][batch.loss_mask[:, 1:].bool()]
+    kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1), log_target=True,
+                  reduction="batchmean")  # fmt: skip
+    return F.cross_entropy(logits, targets), kl
 
 
 def draw(pool: list, rows: int, rng: random.Random, pad: int):
@@ -118,11 +124,9 @@ def main() -> None:
         batch = draw(replay, args.replay_rows, rng, pad)
         with torch.no_grad():
             hidden = fast.forward(teacher, batch.input_ids, batch.attention_mask, True).hidden
-            chosen = batch.loss_mask[:, 1:].bool()
-            target = teacher.lm_head(hidden[:, : chosen.shape[1]][chosen]).float()
+            target = trained_logits(teacher.lm_head, hidden, batch)
         out = fast.forward(model, batch.input_ids, batch.attention_mask, True, 2)
-        loss = lm_loss(model.lm_head, out.hidden, batch.input_ids, batch.loss_mask)
-        kl = distill_loss(model, target, out.hidden, batch)
+        loss, kl = replay_losses(trained_logits(model.lm_head, out.hidden, batch), target, batch)
         (loss + args.distill * kl + out.kl).backward()
         losses += [round(loss.item(), 4), round(kl.item(), 5)]
         torch.nn.utils.clip_grad_norm_(params, 1.0)
