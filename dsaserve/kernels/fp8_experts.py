@@ -30,11 +30,9 @@ import torch
 from torch import nn
 
 from dsaserve.layers.moe import Experts, MoE
-from dsaserve.models.fp8 import FP8_DTYPE, scale_shape
+from dsaserve.models.fp8 import FP8_DTYPE, KEPT_BLOCK, scale_shape
 
 logger = logging.getLogger(__name__)
-
-BLOCK = 128
 
 
 class Fp8Experts(nn.Module):
@@ -66,7 +64,7 @@ class Fp8Experts(nn.Module):
 
 def keepable(experts: Experts) -> bool:
     """This rank's slice of every expert's intermediate size a multiple of the scale block."""
-    return experts.down_proj.shape[-1] % BLOCK == 0
+    return experts.down_proj.shape[-1] % KEPT_BLOCK == 0
 
 
 def keep_fp8_experts(model: nn.Module, moe: Callable) -> int:
@@ -83,7 +81,7 @@ def keep_fp8_experts(model: nn.Module, moe: Callable) -> int:
     if skipped:
         logger.warning("%d MoE layers' experts are dequantised on load (this rank's slice of "
                        "the expert intermediate size is not a multiple of %d)",
-                       skipped, BLOCK)  # fmt: skip
+                       skipped, KEPT_BLOCK)  # fmt: skip
     return swapped
 
 

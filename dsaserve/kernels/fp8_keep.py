@@ -22,7 +22,7 @@ from torch import nn
 from dsaserve.kernels.fp8_experts import expert_bytes, keep_fp8_experts
 from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.models.checkpoint_files import fp8_block_size
-from dsaserve.models.fp8 import SCALE_SUFFIX
+from dsaserve.models.fp8 import KEPT_BLOCK, SCALE_SUFFIX
 from dsaserve.models.load_targets import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def keep_fp8_weights(model: nn.Module, quantization: str | None, names: dict[str
     kept = KeptFp8()
     if quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":
         return kept
-    if fp8_block_size(Path(model_path)) != (128, 128):
+    if fp8_block_size(Path(model_path)) != (KEPT_BLOCK, KEPT_BLOCK):
         logger.warning("FP8 blocks are not 128x128: dequantising the weights on load")
         return kept
     if names["fp8_gemm"] != "torch":

@@ -22,11 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dsaserve.models.fp8 import FP8_DTYPE, QUANTIZED_WEIGHT_RE, scale_shape
+from dsaserve.models.fp8 import FP8_DTYPE, KEPT_BLOCK, QUANTIZED_WEIGHT_RE, scale_shape
 
 logger = logging.getLogger(__name__)
-
-BLOCK = 128
 
 
 class Fp8Linear(nn.Module):
@@ -56,7 +54,7 @@ class Fp8Linear(nn.Module):
 def block_aligned(linear: nn.Linear) -> bool:
     """Whole, or this rank's slice of the split dim starts and ends on a 128-block boundary."""
     shard = getattr(linear.weight, "shard", None)
-    return shard is None or linear.weight.shape[shard.dim % 2] % BLOCK == 0
+    return shard is None or linear.weight.shape[shard.dim % 2] % KEPT_BLOCK == 0
 
 
 def keep_fp8(model: nn.Module, gemm: Callable) -> int:
@@ -76,5 +74,5 @@ def keep_fp8(model: nn.Module, gemm: Callable) -> int:
             swapped += 1
     if unaligned:
         logger.warning("dequantised on load (this rank's slice is not on %d-blocks): %s",
-                       BLOCK, ", ".join(unaligned))  # fmt: skip
+                       KEPT_BLOCK, ", ".join(unaligned))  # fmt: skip
     return swapped

@@ -29,6 +29,7 @@ from dsaserve.models.checkpoint_files import (
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_SUFFIX = "_scale_inv"
+KEPT_BLOCK = 128  # the scale block the kernels that run FP8 weights as stored take (128 x 128)
 
 # model.md section 6: the Linear weights that published FP8 checkpoints quantise. Norms, the
 # router, embeddings, lm_head, indexer.weights_proj / k_norm and eh_proj stay unquantised.
