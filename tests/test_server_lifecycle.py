@@ -98,7 +98,7 @@ def test_sigterm_drains_then_exits(guarded_server: Server):
     first = threading.Event()
 
     def stream() -> None:
-        body = LONG | {"stream": True, "max_tokens": 400}  # still running at SIGTERM
+        body = LONG | {"stream": True}  # still running at SIGTERM
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=AUTH,
                           timeout=120) as r:  # fmt: skip
             for line in filter(None, r.iter_lines()):
