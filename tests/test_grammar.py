@@ -88,7 +88,7 @@ def test_a_bitmask_filled_ahead_is_the_one_applied(backend, tokenizer, llm: LLM)
     assert Sampler()(logits, [state], Filled([0], only_seven)).token_ids == [seven]
     assert Sampler()(logits, [state], filled).token_ids == Sampler()(logits, [state]).token_ids
     engine = llm.engine  # the plain step fills ahead for the rows it will sample
-    assert engine._fill_ahead(_one_batch(engine, state)).result().rows == [0]
+    assert engine.grammar.fill_ahead(_one_batch(engine, state)).result().rows == [0]
 
 
 def _one_batch(engine, state):
@@ -156,8 +156,8 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
         def matcher(self, compiled):
             return backend.matcher(compiled)
 
-    engine, saved = llm.engine, llm.engine.grammars
-    engine.grammars = GrammarCompiler(Slow)
+    engine, saved = llm.engine, llm.engine.grammar.compiler
+    engine.grammar.compiler = GrammarCompiler(Slow)
     try:
         sampling = lambda **kw: dict(vars(SamplingParams(max_tokens=6, temperature=0, **kw)))  # noqa: E731
         engine.add_request(GenerateRequest(rid="g", input_ids=[5, 6], sampling=sampling(
@@ -177,7 +177,7 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
         assert re.fullmatch("[0-9]{2}", "".join(o.text for o in seen["g"]))
     finally:
         release.set()
-        engine.grammars = saved
+        engine.grammar.compiler = saved
 
 
 def test_llguidance_backend(server_checkpoint: Path):

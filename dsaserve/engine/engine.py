@@ -10,7 +10,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -19,9 +18,11 @@ from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
+from dsaserve.engine.admission import check_params, check_request, sampling_params
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
@@ -39,10 +40,6 @@ from dsaserve.engine.startup import (
     pool_bytes_per_token,
     pool_pages,
 )
-from dsaserve.grammar.backend import make_backend
-from dsaserve.grammar.bitmask import fill_bitmask
-from dsaserve.grammar.compiler import GrammarCompiler, PendingGrammars
-from dsaserve.grammar.state import GrammarState
 from dsaserve.kernels.fp8_experts import expert_bytes
 from dsaserve.kernels.fp8_keep import keep_fp8_weights, rank_reports
 from dsaserve.kernels.registry import choose_kernels
@@ -77,12 +74,14 @@ class Engine:
         self._init_ranks(parallel, rank_extra)
         self._init_model(show_progress)
         self._init_pool()
+        self._init_runner()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.generation_defaults = generation_defaults(Path(args.model_path))
         self.eos_token_ids = list(self.generation_defaults.get("eos_token_id", []))
         self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
         self.sampler = Sampler(seed=args.random_seed)
-        self._init_grammar()
+        vocab, backend = self.model_config.vocab_size, args.grammar_backend
+        self.grammar = GrammarGate(backend, self.tokenizer, vocab, self.eos_token_ids)
         self.reqs: dict[str, Req] = {}
         # disaggregation's hook: called on each finished request before its KV is released
         self.before_release: Callable[[Req], None] | None = None
@@ -157,6 +156,12 @@ class Engine:
                                 self.parallel, self.device)  # fmt: skip
             self.model = DistributedModel(runner)
         self.cache = self._make_cache(page_size)
+        logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
+
+    def _init_runner(self) -> None:
+        """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
+        cfg, args, mtp, page_size = self.model_config, self.args, self.with_mtp, self.pool.page_size
+        stored = self.pool.index_cache.dtype  # the pool's storage dtype (uint8: FP8)
         default_running = 48 if mtp else (256 if self.device.type == "cuda" else 64)
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
         self.graphs = None  # CUDA-graph decode (engine/cuda_graph.py); takes one scratch page
@@ -186,7 +191,6 @@ class Engine:
         if mtp:
             share = cfg.index_share_for_mtp_iteration
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
-        logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
 
     def _make_cache(self, page_size: int) -> RadixCache:
         if not self.args.enable_hierarchical_cache:
@@ -194,17 +198,6 @@ class Engine:
         from dsaserve.engine.hicache import build_hicache
 
         return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
-
-    def _init_grammar(self) -> None:
-        name, vocab, stops = (
-            self.args.grammar_backend,
-            self.model_config.vocab_size,
-            self.eos_token_ids,
-        )
-        factory = lambda: make_backend(name, self.tokenizer, vocab, stops)  # noqa: E731
-        self.grammars = None if name == "none" else GrammarCompiler(factory)
-        self.compiling = PendingGrammars()  # requests whose grammar is being compiled
-        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="bitmask")
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -217,16 +210,15 @@ class Engine:
         if req.params.grammar is None:
             self.scheduler.add(req)
         else:  # scheduled once its grammar is compiled (off the step)
-            self.compiling.add(req, self.grammars.submit(*req.params.grammar))
+            self.grammar.submit(req)
 
     def make_req(self, request: GenerateRequest) -> Req:
         """A checked `Req` for `request`, not yet queued (ValueError naming the field)."""
-        self._check_request(request)
-        params = _sampling_params(request.sampling).with_defaults(self.generation_defaults)
-        self._check_params(params)
-        state = SamplingState(
-            params, request.input_ids, self.model_config.vocab_size, self.eos_token_ids
-        )
+        vocab = self.model_config.vocab_size
+        check_request(request, self.reqs, vocab, self.context_length)
+        params = sampling_params(request.sampling, self.generation_defaults)
+        check_params(params, vocab, self.grammar.compiler is not None)
+        state = SamplingState(params, request.input_ids, vocab, self.eos_token_ids)
         detok = IncrementalDetokenizer(
             self.tokenizer, request.input_ids, params.stop, params.skip_special_tokens,
             params.no_stop_trim,
@@ -245,46 +237,17 @@ class Engine:
         self._append(req, first, logprob)
         return self._collect([req]) if req.finished or req.stream else []
 
-    def _check_request(self, request: GenerateRequest) -> None:
-        if request.rid in self.reqs:
-            raise ValueError(f"rid {request.rid!r} is already in flight")
-        if not request.input_ids:
-            raise ValueError("input_ids must not be empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in request.input_ids):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        if len(request.input_ids) >= self.context_length:
-            raise ValueError(
-                f"the prompt has {len(request.input_ids)} tokens; the context length is "
-                f"{self.context_length}"
-            )
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """Token ids and seeds the sampler would index or hash with (the API checks them too)."""
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
-        trigger = params.grammar_after_token_id
-        if trigger is not None and not 0 <= trigger < vocab:
-            raise ValueError(f"grammar_after_token_id must be a token id in [0, {vocab})")
-        if params.grammar is not None and self.grammars is None:
-            raise ValueError(
-                f"{params.grammar[0]}: structured output is off (--grammar-backend none)"
-            )
-        if params.seed is not None and not -(2**63) <= params.seed < 2**63:
-            raise ValueError("seed must be a 64-bit integer")
-
     def abort(self, rid: str) -> RequestOutput | None:
         req = self.reqs.pop(rid, None)
         if req is None:
             return None
-        self.compiling.discard(req)
+        self.grammar.pending.discard(req)
         self.scheduler.finish(req)
         req.finish("abort")
         return req.take_output()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(len(self.compiling))
+        return self.scheduler.has_work() or bool(len(self.grammar))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -293,8 +256,8 @@ class Engine:
         refused = self._admit_compiled()
         scheduled = self.scheduler.schedule()
         if scheduled is None:
-            if len(self.compiling):
-                self.compiling.wait(0.005)  # nothing runnable: let the compile thread work
+            if len(self.grammar):
+                self.grammar.pending.wait(0.005)  # nothing runnable: let the compile thread work
             elif self.has_work():
                 time.sleep(0.001)  # only waiting on a storage prefetch: let its thread run
             return refused
@@ -315,23 +278,18 @@ class Engine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar is ready; answer those whose grammar failed."""
-        if not len(self.compiling):
+        if not len(self.grammar):
             return []
-        resolved = self.compiling.resolve()
-        for req, compiled in resolved.ready:
-            matcher = self.grammars.matcher(compiled)
-            req.sampling.grammar = GrammarState(matcher, req.params.grammar_after_token_id)
+        ready, failed = self.grammar.resolve()
+        for req in ready:
             self.scheduler.add(req)
-        refused = []
-        for req, message in resolved.failed:
+        for req in failed:
             self.reqs.pop(req.rid, None)
-            req.error = f"{req.params.grammar[0]}: {message}"
             req.finish("abort")
-            refused.append(req.take_output())
-        return refused
+        return [req.take_output() for req in failed]
 
     def _step_plain(self, scheduled: ScheduledBatch) -> None:
-        ahead = self._fill_ahead(scheduled)
+        ahead = self.grammar.fill_ahead(scheduled)
         sampled, logits = self.runner.forward(scheduled)
         for req, end in zip(scheduled.reqs, scheduled.ends):
             req.kv_len = end
@@ -349,14 +307,6 @@ class Engine:
         except Exception as e:
             logger.exception("request %s failed after its step", req.rid)
             req.fail(f"the engine could not continue this request: {type(e).__name__}")
-
-    def _fill_ahead(self, scheduled: ScheduledBatch) -> Future | None:
-        """Fill the grammar bitmask of the rows this step samples while the model runs."""
-        states = [r.sampling for r, end in zip(scheduled.reqs, scheduled.ends)
-                  if end == len(r.fill_ids)]  # fmt: skip
-        if not any(s.grammar is not None and s.grammar.active for s in states):
-            return None
-        return self._mask_pool.submit(fill_bitmask, states, self.model_config.vocab_size)
 
     def _count_prompt(self, scheduled: ScheduledBatch) -> None:
         for req, start in zip(scheduled.reqs, scheduled.starts):
@@ -468,11 +418,3 @@ class Engine:
             return False
         self.cache.clear()  # device and host tiers; a storage tier persists
         return True
-
-
-def _sampling_params(fields: dict) -> SamplingParams:
-    """The request's SamplingParams; a field of the wrong name or type is a ValueError."""
-    try:
-        return SamplingParams(**fields)
-    except TypeError as e:
-        raise ValueError(f"sampling: {e}") from e
