@@ -195,7 +195,7 @@ class Engine:
     def _make_cache(self, page_size: int) -> RadixCache:
         if not self.args.enable_hierarchical_cache:
             return RadixCache(self.pool.pages, page_size, enabled=not self.args.disable_radix_cache)
-        from dsaserve.engine.hicache import build_hicache
+        from dsaserve.engine.hicache_setup import build_hicache
 
         return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
 
