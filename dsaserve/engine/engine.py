@@ -28,6 +28,7 @@ from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
+from dsaserve.engine.report import report
 from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
@@ -315,26 +316,8 @@ class Engine:
                 self.stats_counters["cached_tokens"] += req.cached_tokens
 
     def _append(self, req: Req, token: int, logprob: TokenLogprob | None) -> None:
-        req.sampling.append(token)
-        req.pending_ids.append(token)
-        if logprob is not None:
-            req.pending_logprobs.append(logprob)
         self.stats_counters["generated_tokens"] += 1
-        text, matched = req.detok.push([token])
-        req.pending_text += text
-        params, n_out = req.params, len(req.output_ids)
-        if matched is not None:
-            req.finish("stop", matched)
-        elif token in params.stop_token_ids:
-            req.finish("stop", token)
-        elif token in self.eos_token_ids and not params.ignore_eos:
-            req.finish("stop", token)
-        elif req.sampling.grammar is not None and req.sampling.grammar.terminated:
-            req.finish("stop", token)  # the grammar is complete (it accepted a stop token)
-        elif params.max_tokens is not None and n_out >= params.max_tokens:
-            req.finish("length")
-        elif len(req.prompt_ids) + n_out >= self.context_length:
-            req.finish("length")
+        req.append(token, logprob, self.eos_token_ids, self.context_length)
 
     def _collect(self, reqs: list[Req]) -> list[RequestOutput]:
         outputs = []
@@ -365,30 +348,7 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
-        pool, cache = self.pool, self.cache
-        used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
-        prompt = self.stats_counters["prompt_tokens"]
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_total_tokens": pool.num_tokens,
-            "kv_used_tokens": used_pages * pool.page_size,
-            "kv_cached_tokens": cache.cached_pages * pool.page_size,
-            "kv_free_pages": pool.pages.num_free,
-            "kv_cache_dtype": self.kv_dtype,
-            "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kernel_backends": dict(self.kernels.names),
-            "fp8_linears_kept": self.fp8_linears,
-            "fp8_expert_layers_kept": self.fp8_experts,
-            "routed_expert_bytes": self.routed_expert_bytes,
-            "fp8_ranks": [report.summary() for report in self.fp8_ranks],
-            "cuda_graph": self.graphs.stats() if self.graphs is not None else None,
-            "cache_hit_rate": self.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
-            "num_retractions": self.scheduler.num_retractions,
-            **self.stats_counters,
-            **(self.spec.report.stats() if self.spec is not None else {}),
-            **cache.tier_stats(),
-        }
+        return report(self)
 
     def idle(self) -> bool:
         """Join the other ranks' heartbeat (and, under DP attention, other groups' ops) while

@@ -60,6 +60,31 @@ class Req:
             self.finish_reason = {"type": kind, "matched": matched}
             self.pending_text += self.detok.flush()
 
+    def append(
+        self, token: int, logprob: TokenLogprob | None, eos_ids: list[int], context: int
+    ) -> None:
+        """Take one sampled token, and finish on a stop string or token, EOS (unless
+        ignore_eos), a completed grammar, max_tokens or the context length."""
+        self.sampling.append(token)
+        self.pending_ids.append(token)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+        text, matched = self.detok.push([token])
+        self.pending_text += text
+        params, n_out = self.params, len(self.output_ids)
+        if matched is not None:
+            self.finish("stop", matched)
+        elif token in params.stop_token_ids:
+            self.finish("stop", token)
+        elif token in eos_ids and not params.ignore_eos:
+            self.finish("stop", token)
+        elif self.sampling.grammar is not None and self.sampling.grammar.terminated:
+            self.finish("stop", token)  # the grammar is complete (it accepted a stop token)
+        elif params.max_tokens is not None and n_out >= params.max_tokens:
+            self.finish("length")
+        elif len(self.prompt_ids) + n_out >= context:
+            self.finish("length")
+
     def fail(self, message: str, status: int = 500) -> None:
         """End with an error for this request alone (the engine keeps serving the others)."""
         if self.finish_reason is None:

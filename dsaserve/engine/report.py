@@ -1,0 +1,36 @@
+"""The engine's report (`/get_server_info`'s `internal_states`, `/metrics`, the bench tools):
+requests, KV pool and radix cache use, the kernels and FP8 weights chosen, and the counters."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsaserve.engine.engine import Engine
+
+
+def report(engine: Engine) -> dict:
+    pool, cache = engine.pool, engine.cache
+    used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
+    prompt = engine.stats_counters["prompt_tokens"]
+    return {
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "kv_total_tokens": pool.num_tokens,
+        "kv_used_tokens": used_pages * pool.page_size,
+        "kv_cached_tokens": cache.cached_pages * pool.page_size,
+        "kv_free_pages": pool.pages.num_free,
+        "kv_cache_dtype": engine.kv_dtype,
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kernel_backends": dict(engine.kernels.names),
+        "fp8_linears_kept": engine.fp8_linears,
+        "fp8_expert_layers_kept": engine.fp8_experts,
+        "routed_expert_bytes": engine.routed_expert_bytes,
+        "fp8_ranks": [rank.summary() for rank in engine.fp8_ranks],
+        "cuda_graph": engine.graphs.stats() if engine.graphs is not None else None,
+        "cache_hit_rate": engine.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
+        "num_retractions": engine.scheduler.num_retractions,
+        **engine.stats_counters,
+        **(engine.spec.report.stats() if engine.spec is not None else {}),
+        **cache.tier_stats(),
+    }
