@@ -330,9 +330,11 @@ def test_thinking_toggle_changes_the_request_body(page, chat_server):
     expect(turn.locator(".reasoning")).to_be_hidden()  # the template closed the think block
 
 
-def aborted_count(server: Server) -> float:
+def cancelled_count(server: Server) -> float:
+    """Requests the client gave up on (Stop ends the fetch: a disconnect)."""
     text = httpx.get(server.url + "/metrics").text
-    match = re.search(r'sglang:num_requests_total\{[^}]*finish_reason="abort"[^}]*\} (\S+)', text)
+    pattern = r'sglang:num_requests_total\{[^}]*finish_reason="client_cancel"[^}]*\} (\S+)'
+    match = re.search(pattern, text)
     return float(match.group(1)) if match else 0.0
 
 
@@ -345,7 +347,7 @@ def test_stop_aborts_the_request_on_the_server(page, chat_server):
     from playwright.sync_api import expect
 
     open_console(page, chat_server.url, "#playground")
-    before = aborted_count(chat_server)
+    before = cancelled_count(chat_server)
     page.fill("#prompt", "[[script:slow]]")
     page.click("#send")
     turn = page.locator(".msg.assistant").first
@@ -358,7 +360,7 @@ def test_stop_aborts_the_request_on_the_server(page, chat_server):
     while scripted_in_flight(chat_server) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert scripted_in_flight(chat_server) == 0  # ~100 s of script left: aborted, not finished
-    assert aborted_count(chat_server) == before + 1
+    assert cancelled_count(chat_server) == before + 1
     expect(page.locator("#send")).to_be_enabled()
     expect(page.locator("#stop")).to_be_disabled()
 

@@ -92,6 +92,22 @@ def alive(pid: int) -> bool:
         return False
 
 
+def disconnect_mid_stream(server) -> None:
+    """A client that goes away after two chunks: its group goes idle (the caller checks that it
+    was through an abort, counted as a client_cancel, not by running to the end)."""
+    body = {"model": "m", "prompt": LONG, "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 2:
+                break
+    deadline = time.monotonic() + 15
+    while httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0][
+            "num_running"]:  # fmt: skip
+        assert time.monotonic() < deadline, "the disconnected request still runs"
+        time.sleep(0.1)
+
+
 def kill_rank_mid_stream(server, rank_pid: int) -> None:
     """kill -9 `rank_pid` while a stream runs: the stream errors, /health turns 503, and the
     engine process and every rank are gone (the API process stays, answering 503)."""
@@ -167,6 +183,10 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm):
         assert [entry["dp_rank"] for entry in load] == [0, 1]
         metrics = httpx.get(server.url + "/metrics", timeout=30).text
         assert 'sglang:dp_kv_used_tokens{model_name="ckpt",dp_rank="1"}' in metrics
+        for _ in range(2):  # both groups: each abort goes to the group that holds the request
+            disconnect_mid_stream(server)
+        cancels = 'sglang:num_requests_total{finish_reason="client_cancel",model_name="ckpt"} 2.0'
+        assert cancels in httpx.get(server.url + "/metrics").text
         kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
 
 

@@ -5,6 +5,8 @@ with the official `openai` SDK: chat (streaming and not), tools, reasoning, comp
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import openai
@@ -253,3 +255,50 @@ def test_metrics_flush_and_abort(main_server: Server):
         assert name in text  # fmt: skip
     answer = httpx.post(main_server.url + "/abort_request", json={"rid": "nope"}).json()
     assert answer == {"aborted": []}
+
+
+def _finished_by_reason(server: Server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    found = re.findall(r'sglang:num_requests_total\{[^}]*finish_reason="(\w+)"[^}]*\} (\S+)', text)
+    return {reason: float(value) for reason, value in found}
+
+
+def _abort_while_streaming(server: Server, rid: str, abort: dict) -> str:
+    """Start a long stream as `rid`, POST `abort` once it runs, read to the end: its finish."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "a long story"}], "rid": rid,
+            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = filter(None, r.iter_lines())
+        next(lines)
+        assert httpx.post(server.url + "/abort_request", json=abort).json()["aborted"]
+        chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    return next(reason for reason in reasons if reason)
+
+
+def test_metrics_count_client_cancels_apart(main_server: Server):
+    """A client that disconnects or aborts its own rid is a `client_cancel`; the server's
+    abort_all stays `abort`; neither counts as a finished request (sglang PR #32456)."""
+    url = main_server.url
+    before = _finished_by_reason(main_server)
+    body = {"model": "m", "messages": [{"role": "user", "content": "a long story"}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 2:
+                break  # the client goes away mid-stream
+    assert _abort_while_streaming(main_server, "cancel-mine", {"rid": "cancel-mine"}) == "abort"
+    assert _abort_while_streaming(main_server, "cancel-all", {"abort_all": True}) == "abort"
+    short = body | {"max_tokens": 2, "stream": False}
+    assert httpx.post(url + "/v1/chat/completions", json=short).json()["choices"][0][
+        "finish_reason"] == "length"  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        after = _finished_by_reason(main_server)
+        grown = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        if grown.get("client_cancel", 0) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert grown.get("client_cancel") == 2, grown
+    assert grown.get("abort") == 1, grown
+    assert grown.get("length") == 1, grown

@@ -93,9 +93,7 @@ class DPEngineClient(EngineClient):
         self.prefixes.remember(list(requests[0].input_ids), group)
         return streams
 
-    def abort(self, rids: list[str]) -> None:
-        if self.dead is not None:
-            return
+    def _send_abort(self, rids: list[str]) -> None:
         for group in range(self.groups):
             mine = [rid for rid in rids if self.group_of.get(rid, 0) == group]
             if mine:

@@ -164,7 +164,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
         if not body.rid and not body.abort_all:
             raise APIError(400, "give rid, or abort_all: true", param="rid")
         rids = [r for r in state.engine.in_flight_rids() if body.abort_all or _owns(body.rid, r)]
-        state.engine.abort(rids)
+        state.engine.abort(rids, by_client=not body.abort_all)  # a rid: its client's cancel
         return {"aborted": rids}
 
     if state.args.enable_metrics:

@@ -99,12 +99,19 @@ class EngineClient:
     def in_flight_rids(self, prefix: str = "") -> list[str]:
         return [rid for rid in self.queues if rid.startswith(prefix)]
 
-    def abort(self, rids: list[str]) -> None:
+    def abort(self, rids: list[str], by_client: bool = False) -> None:
+        """Abort these requests in the engine; `by_client`: the client gave up on them (the
+        metrics count those apart)."""
+        if by_client and self.metrics is not None:
+            self.metrics.on_client_cancel(rids)
         if self.dead is None and rids:
-            try:
-                self._send(ipc.Abort(rids))
-            except (APIError, zmq.ZMQError):
-                pass  # the engine (or this client) is gone; nothing left to free
+            self._send_abort(rids)
+
+    def _send_abort(self, rids: list[str]) -> None:
+        try:
+            self._send(ipc.Abort(rids))
+        except (APIError, zmq.ZMQError):
+            pass  # the engine (or this client) is gone; nothing left to free
 
     def _send(self, message: ipc.ToEngine) -> None:
         self._send_bytes(ipc.encode(message))
@@ -241,13 +248,15 @@ class RequestStream:
             self.end(abort=False)
         return item
 
-    def end(self, abort: bool) -> None:
+    def end(self, abort: bool, by_client: bool = True) -> None:
+        """Unregister; with `abort`, abort the request too. An early end is the client's (a
+        disconnect) unless the server ends it for its own reason (`by_client=False`)."""
         if self.done:
             return
         self.done = True
         self.client.forget(self.rid, self.queue)
         if abort:
-            self.client.abort([self.rid])
+            self.client.abort([self.rid], by_client)
 
     async def aclose(self) -> None:
         self.end(abort=True)

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from dsaserve.engine.io import RequestOutput
+from dsaserve.server.engine_client import RequestStream
 from dsaserve.server.errors import APIError
 from dsaserve.server.parsers.chat_output import ChatOutputParser
 from dsaserve.server.parsers.events import Event, ToolCallArgs, ToolCallStart
@@ -20,7 +21,7 @@ from dsaserve.server.tokenizer_manager import PreparedChat
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
-Stream = AsyncIterator[RequestOutput]
+Stream = RequestStream
 
 
 async def first_outputs(streams: list[Stream]) -> list[tuple[RequestOutput, Stream]]:
@@ -31,17 +32,19 @@ async def first_outputs(streams: list[Stream]) -> list[tuple[RequestOutput, Stre
         failed = [t for t in done if t.exception() is not None]
         if failed:
             raise failed[0].exception()
-    except BaseException:
+    except BaseException as e:  # a sibling refused (the server's), or the client went away
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+        for stream in streams:
+            stream.end(abort=True, by_client=isinstance(e, asyncio.CancelledError))
         raise
     return [(t.result(), s) for t, s in zip(tasks, streams)]
 
 
 async def fan_in(primed: list[tuple[RequestOutput, Stream]]) -> AsyncIterator[tuple[int, Any]]:
-    """Yield (choice index, output) from all choices as they arrive; closing aborts the rest."""
+    """Yield (choice index, output) from all choices as they arrive; closing aborts the rest
+    (the client's abort, unless a choice failed)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, first: RequestOutput, stream: Stream) -> None:
@@ -51,15 +54,15 @@ async def fan_in(primed: list[tuple[RequestOutput, Stream]]) -> AsyncIterator[tu
                 await queue.put((index, output))
         except Exception as e:
             await queue.put((index, e))
-        finally:
-            await stream.aclose()
 
     tasks = [asyncio.create_task(pump(i, f, s)) for i, (f, s) in enumerate(primed)]
     remaining = {i for i, (f, _) in enumerate(primed)}
+    failed = False
     try:
         while remaining:
             index, item = await queue.get()
             if isinstance(item, Exception):
+                failed = True
                 raise item
             if item.finished:
                 remaining.discard(index)
@@ -68,6 +71,8 @@ async def fan_in(primed: list[tuple[RequestOutput, Stream]]) -> AsyncIterator[tu
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for _, stream in primed:
+            stream.end(abort=True, by_client=not failed)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

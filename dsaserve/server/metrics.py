@@ -46,6 +46,7 @@ class Metrics:
         self._init_hicache(labels)
         self.model = model_name
         self.started: dict[str, float] = {}
+        self.cancelled: set[str] = set()  # rids the client gave up on: their abort is theirs
         self.last_seen: dict[str, float] = {}
         self.recent_tokens: deque[tuple[float, int]] = deque()
 
@@ -84,6 +85,13 @@ class Metrics:
         """Drop a request that never ran (rejected at admission)."""
         self.started.pop(rid, None)
         self.last_seen.pop(rid, None)
+        self.cancelled.discard(rid)
+
+    def on_client_cancel(self, rids: list[str]) -> None:
+        """The client gave up on these (it disconnected, or aborted its own rid): their abort
+        counts as `client_cancel`, apart from the server's own aborts (as in sglang PR #32456,
+        which reports them as 499)."""
+        self.cancelled.update(rid for rid in rids if rid in self.started)
 
     def on_output(self, output: RequestOutput) -> None:
         now = time.monotonic()
@@ -107,9 +115,10 @@ class Metrics:
         self.prompt_tokens.labels(self.model).inc(output.prompt_tokens)
         self.gen_tokens.labels(self.model).inc(output.completion_tokens)
         reason = (output.finish_reason or {}).get("type", "unknown")
+        if reason == "abort" and output.rid in self.cancelled:
+            reason = "client_cancel"
         self.requests.labels(self.model, reason).inc()
-        self.started.pop(output.rid, None)
-        self.last_seen.pop(output.rid, None)
+        self.forget(output.rid)
 
     def render(self, stats: dict) -> bytes:
         """The exposition text, with engine gauges refreshed from `stats`."""
