@@ -21,10 +21,9 @@ from dsaserve.server.tokenizer_manager import PreparedChat
 
 T = TypeVar("T")
 DISCONNECT_POLL_S = 0.1
-Stream = RequestStream
 
 
-async def first_outputs(streams: list[Stream]) -> list[tuple[RequestOutput, Stream]]:
+async def first_outputs(streams: list[RequestStream]) -> list[tuple[RequestOutput, RequestStream]]:
     """Wait for each stream's first output (so admission errors can still set the HTTP status)."""
     tasks = [asyncio.ensure_future(anext(s)) for s in streams]
     try:
@@ -42,12 +41,14 @@ async def first_outputs(streams: list[Stream]) -> list[tuple[RequestOutput, Stre
     return [(t.result(), s) for t, s in zip(tasks, streams)]
 
 
-async def fan_in(primed: list[tuple[RequestOutput, Stream]]) -> AsyncIterator[tuple[int, Any]]:
+async def fan_in(
+    primed: list[tuple[RequestOutput, RequestStream]],
+) -> AsyncIterator[tuple[int, Any]]:
     """Yield (choice index, output) from all choices as they arrive; closing aborts the rest
     (the client's abort, unless a choice failed)."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, first: RequestOutput, stream: Stream) -> None:
+    async def pump(index: int, first: RequestOutput, stream: RequestStream) -> None:
         try:
             await queue.put((index, first))
             async for output in stream:

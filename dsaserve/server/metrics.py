@@ -82,7 +82,7 @@ class Metrics:
         self.started[rid] = time.monotonic()
 
     def forget(self, rid: str) -> None:
-        """Drop a request that never ran (rejected at admission)."""
+        """Drop a request's bookkeeping (finished, or rejected at admission: never ran)."""
         self.started.pop(rid, None)
         self.last_seen.pop(rid, None)
         self.cancelled.discard(rid)
