@@ -28,6 +28,7 @@ BACKEND_FLAGS = {"attention_backend": ATTENTION_BACKENDS, "dsa_prefill_backend":
                  "fp8_gemm_backend": FP8_GEMM_BACKENDS}  # fmt: skip
 
 API_KEY_ENV = "DSASERVE_API_KEY"
+SECRET_ENVS = ("DSASERVE_CLUSTER_SECRET", "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN")
 
 
 class ArgsError(ValueError):
@@ -49,7 +50,8 @@ class ServerArgs:
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # secrets stay out of reprs and logs
+    cluster_secret: str | None = field(default=None, repr=False)  # dsaserve/cluster/secret.py
     reasoning_parser: str | None = "auto"
     tool_call_parser: str | None = "auto"
     default_chat_template_kwargs: str | None = None
@@ -125,6 +127,7 @@ class ServerArgs:
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
+    disaggregation_advertise_host: str | None = None
     disaggregation_ib_device: str | None = None
     disaggregation_timeout: float = 300.0
     disaggregation_heartbeat_interval: float = 5.0
@@ -142,6 +145,8 @@ class ServerArgs:
         values = {k: v for k, v in vars(ns).items() if k in names}
         if values.get("api_key") is None:  # a key in the environment stays out of `ps`
             values["api_key"] = os.environ.get(API_KEY_ENV) or None
+        if values.get("cluster_secret") is None:
+            values["cluster_secret"] = next(filter(None, map(os.environ.get, SECRET_ENVS)), None)
         return cls(**values)
 
     def __post_init__(self) -> None:
@@ -208,6 +213,10 @@ def _check(args: ServerArgs) -> None:
                 raise ValueError
         except ValueError as e:
             raise ArgsError("--hicache-storage-backend-extra-config must be a JSON object") from e
+    max_gb = json.loads(args.hicache_storage_backend_extra_config or "{}").get("max_size_gb", 1)
+    if isinstance(max_gb, bool) or not isinstance(max_gb, int | float) or not max_gb > 0:
+        raise ArgsError(f"--hicache-storage-backend-extra-config: max_size_gb must be a number "
+                        f"> 0 (GB), got {max_gb!r}")  # fmt: skip
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgsError("--hicache-storage-backend needs --enable-hierarchical-cache")
     if args.hicache_ratio <= 0 or args.hicache_size < 0:
@@ -296,6 +305,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--host")
     f("--port", type=int)
     f("--api-key", help=f"require this key (default: ${API_KEY_ENV}, which stays out of `ps`)")
+    f("--cluster-secret", help=f"authenticates the internal ports (default: ${SECRET_ENVS[0]}, "
+      "else the API key); without one they listen on loopback only")  # fmt: skip
     f("--reasoning-parser", choices=["auto", "glm45", "deepseek-v3", "none"])
     f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
     f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
@@ -379,6 +390,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--disaggregation-mode", choices=["null", "prefill", "decode"])
     f("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "mooncake_tcp", "fake"])
     f("--disaggregation-bootstrap-port", type=int)
+    f("--disaggregation-advertise-host", help="the address peers reach this role at (default: "
+      "$SGLANG_HOST_IP, a concrete --host, else the interface that reaches the peer)")  # fmt: skip
     f("--disaggregation-ib-device")
     f("--disaggregation-timeout", type=float, help="seconds a room may wait for its KV")
     f("--disaggregation-heartbeat-interval", type=float, help="seconds between heartbeats")

@@ -30,7 +30,7 @@ START_TIMEOUT_S = 240
 CONTEXT_LENGTH = 1024
 
 
-def make_server_checkpoint(folder: Path) -> Path:
+def make_server_checkpoint(folder: Path, seed: int = 0) -> Path:
     import torch
     from tiny_models import COMMON
     from transformers import AutoTokenizer, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
@@ -42,7 +42,7 @@ def make_server_checkpoint(folder: Path) -> Path:
     shutil.copy(FIXTURES / "glm5_chat_template.jinja", folder / "chat_template.jinja")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos = json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = GlmMoeDsaConfig(**{
         **COMMON, "vocab_size": len(tokenizer), "num_hidden_layers": 2,
         "max_position_embeddings": CONTEXT_LENGTH, "eos_token_id": eos,

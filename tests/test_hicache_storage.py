@@ -4,6 +4,8 @@ unwritable or missing storage is logged and recomputed, and the engine keeps ser
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -16,7 +18,7 @@ from speculative_models import make_mtp_checkpoint
 from test_hicache import GREEDY, PAGE, A, B, check_tree, result
 
 from dsaserve import LLM
-from dsaserve.engine import hicache_storage
+from dsaserve.engine import hicache_codec, hicache_storage
 from dsaserve.engine.hicache_storage import FileBackend
 from dsaserve.engine.io import GenerateRequest
 
@@ -90,6 +92,19 @@ def test_storage_pages_round_trip_every_layer(checkpoint, tmp_path):
         assert torch.equal(page.kv, llm.engine.pool.kv_cache[:, page_slots])  # MTP layer too
         assert torch.equal(page.index, llm.engine.pool.index_cache[:, page_slots])
     assert page.kv.shape[0] == llm.engine.model_config.num_hidden_layers + 1
+    folder = cache.storage.backend.dir  # only this user reads or writes the pages and the key
+    assert folder.stat().st_mode & 0o777 == 0o700 == tmp_path.stat().st_mode & 0o777
+    files = [*folder.iterdir(), tmp_path / hicache_codec.KEY_FILE]
+    assert len(files) > 8 and {f.stat().st_mode & 0o777 for f in files} == {0o600}
+
+
+def test_default_directory_is_the_users_cache_not_tmp(monkeypatch, tmp_path):
+    monkeypatch.delenv(hicache_storage.DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert hicache_storage.storage_root({}) == tmp_path / "dsaserve" / "hicache"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert hicache_storage.storage_root({}) == Path.home() / ".cache" / "dsaserve" / "hicache"
+    assert hicache_storage.storage_root({"file_path": "/x"}) == Path("/x")
 
 
 def _flip(path: Path) -> None:
@@ -106,8 +121,31 @@ def _garbage(path: Path) -> None:
     path.write_bytes(b"not a page at all")
 
 
-DAMAGE = {"corrupt": (_flip, "checksum mismatch"), "truncated": (_truncate, "truncated"),
-          "garbage": (_garbage, "bad magic")}  # fmt: skip
+def _split(blob: bytes) -> tuple[bytes, bytes]:
+    """(header line, payload) of a stored page; the MAC line is the one after the magic."""
+    body = blob[len(hicache_codec.MAGIC) + hicache_codec.MAC_HEX + 1 :]
+    header, _, payload = body.partition(b"\n")
+    return header, payload
+
+
+def _forge(path: Path) -> None:
+    """Other KV, with a fresh SHA-256 where the MAC goes: what a writer without the key can do."""
+    header, payload = _split(path.read_bytes())
+    body = header + b"\n" + bytes(payload[:-10]) + bytes(b ^ 0x55 for b in payload[-10:])
+    path.write_bytes(hicache_codec.MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
+
+
+def _list_header(path: Path) -> None:
+    """A header that is valid JSON but not an object, properly keyed (a buggy writer)."""
+    key = (path.parent.parent / hicache_codec.KEY_FILE).read_bytes()
+    body = b"[1, 2]\n" + _split(path.read_bytes())[1]
+    mac = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
+    path.write_bytes(hicache_codec.MAGIC + mac + b"\n" + body)
+
+
+DAMAGE = {"corrupt": (_flip, "not authenticated"), "truncated": (_truncate, "truncated"),
+          "garbage": (_garbage, "bad magic"), "forged": (_forge, "not authenticated"),
+          "list-header": (_list_header, "not a JSON object")}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(DAMAGE))

@@ -66,9 +66,9 @@ def test_aux_record_round_trip() -> None:
     buf = aux.buffer(3)
     logprob = TokenLogprob(42, -0.25, [(42, -0.25), (7, -1.5)])
     aux.pack(buf, 2, 42, logprob)
-    assert aux.unpack(buf, 2) == (42, logprob)
+    assert aux.unpack(buf, 2, 100) == (42, logprob)
     aux.pack(buf, 1, 9, None)
-    assert aux.unpack(buf, 1) == (9, None)
+    assert aux.unpack(buf, 1, 100) == (9, None)
 
 
 def test_frames_round_trip() -> None:
@@ -79,7 +79,7 @@ def test_frames_round_trip() -> None:
 
 
 def test_bootstrap_server_routes() -> None:
-    server = bootstrap.BootstrapServer("127.0.0.1", 0)
+    server = bootstrap.BootstrapServer("127.0.0.1", 0, None, 10.0)
     address = f"127.0.0.1:{server.port}"
     try:
         assert bootstrap.healthy(address)
@@ -92,13 +92,13 @@ def test_bootstrap_server_routes() -> None:
                                 "system_dp_size")}  # fmt: skip
         bootstrap.register_rank(address, {**rank, **sizes, "rank_ip": "127.0.0.1",
                                           "rank_port": 1234, "page_size": 64,
-                                          "kv_cache_dtype": "bf16"})  # fmt: skip
-        info = bootstrap.query_route(address, (-1, -1, -1, -1))
+                                          "kv_cache_dtype": "bf16"}, None)  # fmt: skip
+        info = bootstrap.query_route(address, (-1, -1, -1, -1), None)
         assert (info["attn_tp_size"], info["page_size"]) == (1, 64)
-        assert bootstrap.query_route(address, (0, 0, 0, 0)) == {"rank_ip": "127.0.0.1",
+        assert bootstrap.query_route(address, (0, 0, 0, 0), None) == {"rank_ip": "127.0.0.1",
                                                                 "rank_port": 1234}  # fmt: skip
         with pytest.raises(RuntimeError, match="404"):
-            bootstrap.query_route(address, (0, 0, 1, 0))
+            bootstrap.query_route(address, (0, 0, 1, 0), None)
     finally:
         server.close()
 

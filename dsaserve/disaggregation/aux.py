@@ -29,12 +29,17 @@ def pack(into: torch.Tensor, index: int, token: int, logprob: TokenLogprob | Non
     into[index] = row
 
 
-def unpack(buf: torch.Tensor, index: int) -> tuple[int, TokenLogprob | None]:
+def unpack(buf: torch.Tensor, index: int, vocab: int) -> tuple[int, TokenLogprob | None]:
+    """The record at `index`; ValueError when it names a token outside [0, vocab)."""
     data = buf[index].numpy().tobytes()
     token, value, has_logprob, n_top = _HEAD.unpack_from(data)
+    if not 0 <= n_top <= MAX_TOP:
+        raise ValueError(f"{n_top} top logprobs (at most {MAX_TOP})")
+    top = [_TOP.unpack_from(data, _HEAD.size + i * _TOP.size) for i in range(n_top)]
+    if any(not 0 <= t < vocab for t in [token, *(t for t, _ in top)]):
+        raise ValueError(f"a token id outside the vocabulary of {vocab}")
     if not has_logprob:
         return token, None
-    top = [_TOP.unpack_from(data, _HEAD.size + i * _TOP.size) for i in range(n_top)]
     return token, TokenLogprob(token, value, [(int(t), float(p)) for t, p in top])
 
 

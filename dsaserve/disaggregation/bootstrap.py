@@ -1,141 +1,155 @@
 """The prefill's bootstrap server (SGLang's `--disaggregation-bootstrap-port`) and its client.
 
 - `PUT /route`: a prefill rank registers `{attn_tp_size, attn_tp_rank, attn_cp_size, ...,
-  rank_ip, rank_port, page_size, kv_cache_dtype}` (extra keys are kept and reported).
+  rank_ip, rank_port, page_size, kv_cache_dtype}`; the answer carries its `registration_id`
+  (registry.py: a registered rank is never replaced by another process).
 - `GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1`: the
   server's layout (503 until every rank registered); with real ranks: that rank's
   `{rank_ip, rank_port}` (404 when unknown).
-- `GET /health`: the decode's heartbeat.
+- `GET /health`: the decode's heartbeat (open, like the API's).
+
+With a cluster secret both `/route` methods need `Authorization: Bearer <secret>` (401). It runs
+uvicorn on a thread of the engine process with the API's limits: `--header-timeout` for headers
+and for each piece of a body, a 64 KiB body cap (413), JSON nested at most 64 deep (400), at most
+64 open connections (503 beyond), keep-alive 5 s; one event loop, no thread per connection.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlparse
+from typing import Any
+from urllib.parse import parse_qs
 
-RANK_KEYS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+import uvicorn
+
+from dsaserve.cluster.secret import bearer, bearer_ok
+from dsaserve.disaggregation.registry import RANK_KEYS, RankTable
+from dsaserve.server.errors import APIError
+from dsaserve.server.http_limits import uvicorn_limits
+from dsaserve.server.json_limits import decode_json
+
+MAX_BODY_BYTES = 64 * 1024
+MAX_CONNECTIONS = 64
+START_TIMEOUT_S = 10.0
 
 
 class BootstrapServer:
-    """A threaded HTTP server holding the prefill ranks' registrations."""
+    """The rank table behind a small HTTP server on its own thread."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.ranks: dict[tuple[int, int, int, int], dict] = {}
-        self.info: dict = {}
-        self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _handler(self))
-        self.httpd.daemon_threads = True
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+    def __init__(self, host: str, port: int, secret: str | None, header_timeout: float) -> None:
+        self.table = RankTable()
+        self.secret = secret
+        self.socket = socket.create_server((host, port), family=_family(host), backlog=128)
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(self._app, interface="asgi3", lifespan="off", log_level="error",
+                                access_log=False, proxy_headers=False,
+                                timeout_keep_alive=5,
+                                **uvicorn_limits(header_timeout, MAX_CONNECTIONS))  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       daemon=True, name="pd-bootstrap")  # fmt: skip
         self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.server.should_exit = True
+        self.thread.join(5)
+        self.socket.close()
 
-    def register(self, data: dict) -> None:
-        key = (int(data["attn_dp_rank"]), int(data["attn_cp_rank"]), int(data["attn_tp_rank"]),
-               int(data["pp_rank"]))  # fmt: skip
-        with self.lock:
-            self.ranks[key] = {"rank_ip": data["rank_ip"], "rank_port": int(data["rank_port"])}
-            if not self.info:
-                self.info = {
-                    "attn_tp_size": int(data["attn_tp_size"]),
-                    "attn_cp_size": int(data["attn_cp_size"]),
-                    "dp_size": int(data["attn_dp_size"]),
-                    "pp_size": int(data["pp_size"]),
-                    "page_size": int(data["page_size"]),
-                    "kv_cache_dtype": data.get("kv_cache_dtype"),
-                    "follow_bootstrap_room": True,
-                    **{k: v for k, v in data.items() if k.startswith("dsaserve_")},
-                }
+    async def _app(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        status, body = await self._answer(scope, receive)
+        data = (json.dumps(body) if isinstance(body, dict) else body).encode()
+        kind = b"application/json" if isinstance(body, dict) else b"text/plain"
+        headers = [(b"content-type", kind), (b"content-length", str(len(data)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
 
-    def ready(self) -> bool:
-        info = self.info
-        if not info:
-            return False
-        expected = info["attn_tp_size"] * info["attn_cp_size"] * info["dp_size"] * info["pp_size"]
-        return len(self.ranks) >= expected
-
-    def route(self, query: dict[str, list[str]]) -> tuple[int, dict | str]:
+    async def _answer(self, scope: dict, receive: Any) -> tuple[int, dict | str]:
+        path, method = scope["path"], scope["method"]
+        if path == "/health":
+            return (200, "OK") if method == "GET" else (405, "method not allowed")
+        if path != "/route":
+            return 404, "not found"
+        headers = dict(scope["headers"])
+        if not bearer_ok(headers.get(b"authorization", b"").decode("latin-1"), self.secret):
+            return 401, "invalid or missing cluster secret (Authorization: Bearer ...)"
+        if method == "GET":
+            return self.table.route(parse_qs(scope["query_string"].decode("latin-1")))
+        if method != "PUT":
+            return 405, "method not allowed"
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            return 413, f"registration over {MAX_BODY_BYTES} bytes"
+        body = await _read_body(receive)
+        if isinstance(body, tuple):
+            return body
         try:
-            ranks = tuple(int(query[k][0]) for k in RANK_KEYS)
-        except (KeyError, ValueError):
-            return 400, "Missing inputs for bootstrap server."
-        if not self.ready():
-            return 503, f"Prefill server not fully registered yet ({len(self.ranks)} registered)."
-        if ranks == (-1, -1, -1, -1):
-            return 200, self.info
-        with self.lock:
-            found = self.ranks.get(ranks)
-        return (200, found) if found else (404, f"Bootstrap info not found for {ranks}")
+            data = decode_json(body)
+        except APIError as e:
+            return 400, f"bad registration: {e.message}"
+        return self.table.register(data)
 
 
-def _handler(server: BootstrapServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args) -> None:  # quiet
-            pass
+async def _read_body(receive: Any) -> bytes | tuple[int, str]:
+    """The whole body, or the answer refusing it (a client that went away gets none)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return 400, "the client went away mid-body"
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > MAX_BODY_BYTES:
+            return 413, f"registration over {MAX_BODY_BYTES} bytes"
+        if not message.get("more_body"):
+            return b"".join(chunks)
 
-        def _reply(self, status: int, body: dict | str) -> None:
-            data = (json.dumps(body) if isinstance(body, dict) else body).encode()
-            self.send_response(status)
-            kind = "application/json" if isinstance(body, dict) else "text/plain"
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
 
-        def do_GET(self) -> None:  # noqa: N802
-            url = urlparse(self.path)
-            if url.path == "/health":
-                self._reply(200, "OK")
-            elif url.path == "/route":
-                self._reply(*server.route(parse_qs(url.query)))
-            else:
-                self._reply(404, "not found")
-
-        def do_PUT(self) -> None:  # noqa: N802
-            if urlparse(self.path).path != "/route":
-                return self._reply(404, "not found")
-            try:
-                length = int(self.headers.get("Content-Length", 0))
-                server.register(json.loads(self.rfile.read(length)))
-            except (ValueError, KeyError, TypeError) as e:
-                return self._reply(400, f"bad registration: {e}")
-            self._reply(200, "OK")
-
-    return Handler
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 # ---- the client side (prefill ranks register; decodes look up and send heartbeats) ----------
-def _request(method: str, url: str, body: dict | None, timeout: float) -> tuple[int, bytes]:
+def _request(method: str, url: str, body: dict | None, timeout: float,
+             secret: str | None = None) -> tuple[int, bytes]:  # fmt: skip
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method)
+    request = urllib.request.Request(url, data=data, method=method, headers=bearer(secret))
     request.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
+            return response.status, response.read(MAX_BODY_BYTES)
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        return e.code, e.read(MAX_BODY_BYTES)
 
 
-def register_rank(address: str, data: dict, timeout: float = 5.0) -> None:
-    status, body = _request("PUT", f"http://{address}/route", data, timeout)
+def register_rank(address: str, data: dict, secret: str | None, timeout: float = 5.0) -> str:
+    """`PUT /route`; the registration_id that lets this process re-register the rank."""
+    status, body = _request("PUT", f"http://{address}/route", data, timeout, secret)
     if status != 200:
         raise RuntimeError(f"bootstrap server {address} refused the registration: {body!r}")
+    return json.loads(body)["registration_id"]
 
 
-def query_route(address: str, ranks: tuple[int, int, int, int], timeout: float = 2.0) -> dict:
+def query_route(address: str, ranks: tuple[int, int, int, int], secret: str | None,
+                timeout: float = 2.0) -> dict:  # fmt: skip
     """`GET /route`; raises OSError when unreachable, RuntimeError on a non-200 answer."""
     query = "&".join(f"{k}={v}" for k, v in zip(RANK_KEYS, ranks))
-    status, body = _request("GET", f"http://{address}/route?{query}", None, timeout)
+    status, body = _request("GET", f"http://{address}/route?{query}", None, timeout, secret)
     if status != 200:
         raise RuntimeError(f"bootstrap server {address}: {status} {body.decode(errors='replace')}")
-    return json.loads(body)
+    answer = json.loads(body)
+    if not isinstance(answer, dict):
+        raise ValueError(f"bootstrap server {address}: the answer is not a JSON object")
+    return answer
 
 
 def healthy(address: str, timeout: float = 1.0) -> bool:

@@ -15,10 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.args import ServerArgs
+from dsaserve.cluster.addresses import split_host_port
 from dsaserve.disaggregation import aux, kv_layout
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.directory import PrefillDirectory
-from dsaserve.disaggregation.protocol import Abort, KVPoll, Registration, Status, TransferInfo
+from dsaserve.disaggregation.protocol import (
+    MAX_ROOM,
+    Abort,
+    FrameError,
+    KVPoll,
+    Registration,
+    Status,
+    TransferInfo,
+    integer,
+)
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
@@ -33,6 +43,7 @@ class Room:
     state: KVPoll = KVPoll.Bootstrapping
     endpoint: str | None = None  # the prefill rank's ZMQ endpoint
     session: str | None = None  # the prefill's session the destination was sent to
+    reply_to: str | None = None  # this decode's endpoint as given to that prefill
     pages: list[int] = field(default_factory=list)
     aux_index: int | None = None
     detail: dict | None = None  # the Success status, waiting for its notification
@@ -45,7 +56,7 @@ class DecodeEngine(RoleEngine):
         slots = 2 * max(engine.scheduler.config.max_running_requests, 16)
         super().__init__(engine, args, reject, aux_slots=slots)
         self.slots = aux.SlotPool(slots)
-        self.directory = PrefillDirectory(args.disaggregation_heartbeat_interval)
+        self.directory = PrefillDirectory(args.disaggregation_heartbeat_interval, self.secret)
         self.rooms: dict[int, Room] = {}
         self.room_of: dict[str, int] = {}
         self.registered: dict[str, str | None] = {}  # prefill endpoint -> session registered
@@ -78,7 +89,7 @@ class DecodeEngine(RoleEngine):
         state = self._drop(room)
         self.counters["pd_rooms_aborted"] += 1
         if state.endpoint is not None:
-            self.send(state.endpoint, Abort(room, self.endpoint).frames())
+            self.send(state.endpoint, Abort(room, state.reply_to).frames())
         return aborted_output(state.req)
 
     def has_work(self) -> bool:
@@ -87,10 +98,9 @@ class DecodeEngine(RoleEngine):
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()
-        for frames in self.receive(0 if busy else 5):
-            self._status(Status.parse(frames))
+        self.receive(0 if busy else 5, lambda frames: self._status(Status.parse(frames)))
         if self.transfer.notifies:
-            self.notified.update(int(tag) for tag in self.transfer.notifications() if tag)
+            self._notifications()
         outputs: list[RequestOutput] = []
         for room, state in list(self.rooms.items()):
             outputs += self._advance(room, state)
@@ -113,6 +123,17 @@ class DecodeEngine(RoleEngine):
             self._fail(room, f"the KV of room {room} did not arrive within {timeout}s", 504)
         return []
 
+    def _notifications(self) -> None:
+        """The rooms whose KV write finished (NIXL's notification tags: their room ids)."""
+        for tag in self.transfer.notifications():
+            try:
+                room = integer("notification", tag, 0, MAX_ROOM)
+            except FrameError as e:
+                self.frames.dropped(e.kind, str(e))
+                continue
+            if room in self.rooms:
+                self.notified.add(room)
+
     def _written(self, room: int) -> bool:
         """Whether the write's notification came (NIXL sends one; others need none)."""
         return not self.transfer.notifies or room in self.notified
@@ -123,16 +144,18 @@ class DecodeEngine(RoleEngine):
             return self._fail(room, prefill.lost, 503)
         if prefill.endpoint is None:  # resolving (a restarted prefill answers within a look)
             return
+        reply_to = self.endpoint_for(split_host_port(state.address)[0])
         if self.registered.get(prefill.endpoint, "") != prefill.session:
             registration = Registration(
-                self.endpoint, self.agent_name, self.transfer.metadata(), self.layout
+                reply_to, self.agent_name, self.transfer.metadata(), self.layout
             )
             self.send(prefill.endpoint, registration.frames())
             self.registered[prefill.endpoint] = prefill.session
         if not self._allocate(state):
             return  # no free KV yet: try again next step
         state.endpoint, state.session = prefill.endpoint, prefill.session
-        info = TransferInfo(room, self.endpoint, self.agent_name, state.pages, state.aux_index)
+        state.reply_to = reply_to
+        info = TransferInfo(room, reply_to, self.agent_name, state.pages, state.aux_index)
         self.send(prefill.endpoint, info.frames())
         state.state = KVPoll.WaitingForInput
 
@@ -154,11 +177,14 @@ class DecodeEngine(RoleEngine):
         state = self.rooms.get(status.room)
         if state is None:
             return
+        if state.state != KVPoll.WaitingForInput:  # it has no destination yet, or has its KV
+            raise FrameError("status", f"{status.status.name} for room {status.room} in state "
+                             f"{state.state.name}")  # fmt: skip
         if status.status == KVPoll.Failed:
-            reason = (status.detail or {}).get("reason", "the prefill reported Failed")
-            self._fail(status.room, f"prefill: {reason}", 500)
+            reason = str((status.detail or {}).get("reason", "the prefill reported Failed"))
+            self._fail(status.room, f"prefill: {reason[:300]}", 500)
         elif status.status == KVPoll.Success:
-            state.state, state.detail = KVPoll.Success, status.detail
+            state.state, state.detail = KVPoll.Success, success_detail(status.detail or {})
 
     def _finish(self, room: int, state: Room) -> list[RequestOutput]:
         self.notified.discard(room)
@@ -168,14 +194,19 @@ class DecodeEngine(RoleEngine):
             if error:
                 self._fail(room, error, 500)
                 return []
-        token, logprob = aux.unpack(self.aux, state.aux_index)
+        vocab = self.engine.model_config.vocab_size
+        try:  # the prefill wrote this record into our memory: check it like a frame
+            token, logprob = aux.unpack(self.aux, state.aux_index, vocab)
+        except ValueError as e:
+            self._fail(room, f"room {room}: the prefill's first token is unusable: {e}", 500)
+            return []
         pages = state.pages
         self.rooms.pop(room)
         self.room_of.pop(state.req.rid, None)
         self.slots.give(state.aux_index)
         self.counters["pd_rooms_ok"] += 1
-        self.counters["pd_bytes"] += int(detail.get("bytes", 0))
-        self.counters["pd_transfer_seconds"] += float(detail.get("seconds", 0.0))
+        self.counters["pd_bytes"] += detail["bytes"]
+        self.counters["pd_transfer_seconds"] += detail["seconds"]
         return self.engine.adopt(state.req, pages, token, logprob)
 
     def _verify(self, state: Room, expected: dict) -> str | None:
@@ -195,7 +226,7 @@ class DecodeEngine(RoleEngine):
         logger.warning("room %d failed: %s", room, reason)
         self.counters["pd_rooms_failed"] += 1
         if state.endpoint is not None:
-            self.send(state.endpoint, Abort(room, self.endpoint).frames())
+            self.send(state.endpoint, Abort(room, state.reply_to).frames())
         self.reject([state.req.rid], reason, status)
 
     def _drop(self, room: int) -> Room:
@@ -211,3 +242,18 @@ class DecodeEngine(RoleEngine):
     def close(self, graceful: bool = True) -> None:
         self.directory.close()
         super().close(graceful)
+
+
+def success_detail(detail: dict) -> dict:
+    """The fields of a Success status this role reads, checked (FrameError otherwise)."""
+    size, seconds = detail.get("bytes", 0), detail.get("seconds", 0.0)
+    sums = detail.get("checksums")
+    if isinstance(size, bool) or not isinstance(size, int) or not isinstance(seconds, int | float):
+        raise FrameError("status", "Success with malformed bytes / seconds")
+    checked: dict = {"bytes": max(size, 0), "seconds": max(float(seconds), 0.0)}
+    if sums is not None:
+        lists = [sums.get(k) if isinstance(sums, dict) else None for k in ("kv", "index")]
+        if not all(isinstance(x, list) and all(isinstance(d, str) for d in x) for x in lists):
+            raise FrameError("status", "Success with malformed checksums")
+        checked["checksums"] = {"kv": lists[0], "index": lists[1]}
+    return checked

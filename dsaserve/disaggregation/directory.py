@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from dsaserve.cluster.addresses import tcp_endpoint
 from dsaserve.disaggregation import bootstrap
 
 ALL_RANKS = (-1, -1, -1, -1)
@@ -29,10 +30,12 @@ class Prefill:
 
 
 class PrefillDirectory:
-    def __init__(self, interval: float, max_failures: int | None = None) -> None:
+    def __init__(self, interval: float, secret: str | None,
+                 max_failures: int | None = None) -> None:  # fmt: skip
         env = os.environ.get("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")
         self.max_failures = max(max_failures or int(env or 2), 1)
         self.interval = interval
+        self.secret = secret
         self.entries: dict[str, Prefill] = {}
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -79,14 +82,15 @@ class PrefillDirectory:
 
     def _resolve(self, address: str, entry: Prefill) -> None:
         try:
-            info = bootstrap.query_route(address, ALL_RANKS)
-            rank = bootstrap.query_route(address, FIRST_RANK)
-        except (OSError, RuntimeError, ValueError) as e:
+            info = bootstrap.query_route(address, ALL_RANKS, self.secret)
+            rank = bootstrap.query_route(address, FIRST_RANK, self.secret)
+            endpoint = tcp_endpoint(str(rank["rank_ip"]), int(rank["rank_port"]))
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             self._missed(entry, f"cannot reach the prefill's bootstrap server {address}: {e}")
             return
         with self.lock:
-            entry.endpoint = f"tcp://{rank['rank_ip']}:{rank['rank_port']}"
-            entry.session = info.get("dsaserve_session")
+            entry.endpoint = endpoint
+            entry.session = str(info.get("dsaserve_session"))
             entry.lost, entry.failures = None, 0
             entry.answered_at = time.monotonic()
 

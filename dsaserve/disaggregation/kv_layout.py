@@ -28,8 +28,37 @@ def describe(pool: KVPool, mtp: bool, aux: torch.Tensor) -> dict:
         "index_entry_bytes": index.shape[2] * index.element_size(),
         "slots": kv.shape[1], "page_size": pool.page_size, "dtype": str(kv.dtype),
         "mtp": mtp, "aux_ptr": aux.data_ptr(), "aux_item_bytes": aux.shape[1],
-        "kv_kind": memory_kind(kv),
+        "aux_slots": aux.shape[0], "kv_kind": memory_kind(kv),
     }  # fmt: skip
+
+
+POINTERS = ("kv_ptr", "index_ptr", "aux_ptr")
+COUNTS = ("kv_layers", "kv_entry_bytes", "index_layers", "index_entry_bytes", "slots",
+          "page_size", "aux_item_bytes", "aux_slots")  # fmt: skip
+
+
+def malformed(layout: dict) -> str | None:
+    """Why a peer's layout (from its registration) cannot be used as one (None when it can)."""
+    for key in POINTERS + COUNTS:
+        value = layout.get(key)
+        low = 1 if key in ("slots", "page_size", "aux_slots") else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**64:
+            return f"layout field {key} is {str(value)[:40]!r}"
+    if not isinstance(layout.get("dtype"), str) or not isinstance(layout.get("mtp"), bool):
+        return "layout fields dtype / mtp are missing or of the wrong type"
+    if layout.get("kv_kind") not in ("DRAM", "VRAM"):
+        return f"layout field kv_kind is {str(layout.get('kv_kind'))[:40]!r}"
+    return None
+
+
+def destination_error(theirs: dict, pages: list[int], aux_index: int) -> str | None:
+    """Why a room's destination does not fit the peer's pool and aux buffer (None when it does)."""
+    pool_pages = theirs["slots"] // theirs["page_size"]
+    if pages and max(pages) >= pool_pages:
+        return f"page {max(pages)} is outside the decode's pool of {pool_pages} pages"
+    if aux_index >= theirs["aux_slots"]:
+        return f"aux slot {aux_index} is outside the decode's {theirs['aux_slots']} slots"
+    return None
 
 
 def memory_kind(tensor: torch.Tensor) -> str:
@@ -45,6 +74,9 @@ def regions(pool: KVPool, aux: torch.Tensor) -> list[tuple[int, int, str]]:
 
 def mismatch(mine: dict, theirs: dict) -> str | None:
     """Why two sides cannot exchange KV (None when they can)."""
+    problem = malformed(theirs)
+    if problem:
+        return f"the registration is malformed: {problem}"
     for key in ("kv_layers", "kv_entry_bytes", "index_layers", "index_entry_bytes", "page_size",
                 "dtype", "aux_item_bytes"):  # fmt: skip
         if mine[key] != theirs[key]:

@@ -15,23 +15,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsaserve.args import ServerArgs
+from dsaserve.cluster.addresses import advertise_host, is_wildcard
 from dsaserve.disaggregation import aux, bootstrap, kv_layout
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
     Abort,
+    FrameError,
     KVPoll,
     Registration,
     Status,
     TransferInfo,
     parse_to_prefill,
 )
-from dsaserve.disaggregation.transfer import TransferError
 from dsaserve.disaggregation.transfer.base import HOST, fault_delay
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
 logger = logging.getLogger(__name__)
 FAILED_MEMORY_S = 600.0
+MAX_PEERS = 1024  # decodes registered at once
+MAX_EARLY_INFOS = 65536  # destinations waiting for their request to arrive
 
 
 @dataclass
@@ -60,18 +63,23 @@ class PrefillEngine(RoleEngine):
         self.infos: dict[int, tuple[TransferInfo, float]] = {}
         self.failed: dict[int, tuple[str, float]] = {}  # rooms that failed here, for late infos
         self.transfer_failed: dict[str, str] = {}
-        self.server = bootstrap.BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-        bootstrap.register_rank(f"{args.host}:{self.server.port}", self._rank_info())
-        logger.info("prefill: bootstrap server on %s:%d, KV over %s, rank at %s", args.host,
-                    self.server.port, self.transfer.name, self.endpoint)  # fmt: skip
+        self.server = bootstrap.BootstrapServer(self.bind_host, args.disaggregation_bootstrap_port,
+                                                self.secret, args.header_timeout)  # fmt: skip
+        local = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
+        self.registration_id = bootstrap.register_rank(
+            f"{local}:{self.server.port}", self._rank_info(), self.secret
+        )
+        logger.info("prefill: bootstrap server on %s:%d, KV over %s, rank at %s (%s)",
+                    self.bind_host, self.server.port, self.transfer.name, self.endpoint,
+                    "authenticated" if self.secret else "loopback, no cluster secret")  # fmt: skip
 
     def _rank_info(self) -> dict:
         ranks = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
                  "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
                  "system_dp_size": 1, "system_dp_rank": 0}  # fmt: skip
-        return {**ranks, "rank_ip": self.args.host, "rank_port": self.rank_port,
+        return {**ranks, "rank_ip": advertise_host(self.args), "rank_port": self.rank_port,
                 "page_size": self.engine.pool.page_size, "kv_cache_dtype": self.layout["dtype"],
-                "prefill_http_port": self.args.port, "dsaserve_session": self.session,
+                "dsaserve_session": self.session,
                 "dsaserve_transfer_backend": self.transfer.name}  # fmt: skip
 
     def active_rooms(self) -> int:
@@ -104,6 +112,10 @@ class PrefillEngine(RoleEngine):
         if peer is None or peer.error:
             reason = peer.error if peer else f"decode {info.endpoint} never registered"
             return self._fail(room, reason, 500)
+        wrong = kv_layout.destination_error(peer.layout, info.pages, info.aux_index)
+        if wrong:
+            return self._fail(room, f"room {room}: the decode's destination is unusable: {wrong}",
+                              500)  # fmt: skip
         state.state = KVPoll.WaitingForInput
         self.engine.enqueue(state.req)
 
@@ -122,8 +134,7 @@ class PrefillEngine(RoleEngine):
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()
-        for frames in self.receive(0 if busy else 5):
-            self._handle(parse_to_prefill(frames))
+        self.receive(0 if busy else 5, lambda frames: self._handle(parse_to_prefill(frames)))
         self._expire()
         if not self.engine.has_work():
             return []
@@ -144,6 +155,9 @@ class PrefillEngine(RoleEngine):
         elif isinstance(message, TransferInfo):
             self._transfer_info(message)
         else:
+            known = self.infos.get(message.room)
+            if known is not None and known[0].endpoint != message.endpoint:
+                raise FrameError("abort", f"room {message.room} belongs to another decode")
             room = self.rooms.get(message.room)
             if room is not None:
                 self.counters["pd_rooms_aborted"] += 1
@@ -152,6 +166,8 @@ class PrefillEngine(RoleEngine):
             self.infos.pop(message.room, None)
 
     def _register(self, message: Registration) -> None:
+        if message.endpoint not in self.peers and len(self.peers) >= MAX_PEERS:
+            raise FrameError("register", f"{MAX_PEERS} decodes are registered already")
         old = self.peers.pop(message.endpoint, None)
         if old is not None and old.handle:
             self.transfer.remove_peer(old.handle)
@@ -171,6 +187,10 @@ class PrefillEngine(RoleEngine):
             status = Status(info.room, KVPoll.Failed, detail={"reason": self.failed[info.room][0]})
             self.send(info.endpoint, status.frames())
             return
+        if info.room in self.infos:
+            raise FrameError("transfer-info", f"room {info.room} has a destination already")
+        if info.room not in self.rooms and len(self.infos) >= MAX_EARLY_INFOS:
+            raise FrameError("transfer-info", f"{MAX_EARLY_INFOS} destinations wait already")
         self.infos[info.room] = (info, time.monotonic())
         room = self.rooms.get(info.room)
         if room is not None and room.state == KVPoll.Bootstrapping:
@@ -221,13 +241,17 @@ class PrefillEngine(RoleEngine):
         room = self.room_of.get(req.rid)
         if room is None or (req.finish_reason or {}).get("type") == "abort":
             return
-        info = self.infos.pop(room)[0]
-        peer = self.peers[info.endpoint]
+        entry = self.infos.pop(room, None)
+        if entry is None:  # forgotten meanwhile (the decode aborted it): nothing to send
+            return
+        info, peer = entry[0], self.peers.get(entry[0].endpoint)
         if self.rooms.get(room):
             self.rooms[room].state = KVPoll.Transferring
         try:
+            if peer is None or peer.error:
+                raise ValueError(peer.error if peer else "the decode's registration is gone")
             detail = self._write(room, req, info, peer)
-        except (TransferError, ValueError) as e:
+        except Exception as e:  # TransferError, a bad destination, a backend's own error
             reason = f"KV transfer of room {room} to {info.endpoint} failed: {e}"
             logger.error("%s", reason)
             self.transfer_failed[req.rid] = reason
@@ -236,6 +260,9 @@ class PrefillEngine(RoleEngine):
             return
         self.counters["pd_rooms_ok"] += 1
         self.send(info.endpoint, Status(room, KVPoll.Success, detail=detail).frames())
+
+    def peer_endpoints(self) -> list[str]:
+        return list(self.peers)
 
     def _write(self, room: int, req: Req, info: TransferInfo, peer: Peer) -> dict:
         prompt_len = len(req.prompt_ids)

@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 
 import torch
 
 from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.cluster.secret import cluster_secret
 from dsaserve.engine.hicache import PREFETCH_DEFAULTS, HiRadixCache, HostKVPool
-from dsaserve.engine.hicache_storage import PageCodec, StorageTier, make_backend, model_identity
+from dsaserve.engine.hicache_codec import PageCodec, storage_key
+from dsaserve.engine.hicache_storage import (
+    StorageTier,
+    make_backend,
+    model_identity,
+    private_dir,
+    storage_root,
+)
 from dsaserve.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -39,7 +48,8 @@ def build_hicache(
         identity = model_identity(args.model_path, parts)
         kv_shape = (pool.kv_cache.shape[0], pool.page_size, pool.kv_cache.shape[2])
         index_shape = (pool.index_cache.shape[0], pool.page_size, pool.index_cache.shape[2])
-        codec = PageCodec(identity, kv_shape, index_shape, pool.kv_cache.dtype)
+        codec = PageCodec(identity, kv_shape, index_shape, pool.kv_cache.dtype,
+                          page_key(args, extra))  # fmt: skip
         backend = make_backend(args.hicache_storage_backend, extra, identity[:16])
         storage = StorageTier(backend, codec)
     logger.info("HiCache: host pool %d tokens (%.1f MiB), write policy %s, storage %s",
@@ -49,3 +59,16 @@ def build_hicache(
     prefetch = {k: float(extra[k]) for k in PREFETCH_DEFAULTS if k in extra}
     return HiRadixCache(pool, host, args.hicache_write_policy, storage,
                         args.hicache_storage_prefetch_policy, prefetch)  # fmt: skip
+
+
+def page_key(args: ServerArgs, extra: dict) -> bytes:
+    """The deployment's key for storage pages (hicache_codec.py); an unusable storage directory
+    gets a key for this run only (its pages do not outlive it)."""
+    root = storage_root(extra)
+    try:
+        private_dir(root)
+        return storage_key(cluster_secret(args), root)
+    except OSError as e:
+        logger.warning("HiCache storage: no key file in %s (%s); pages written now are not "
+                       "readable after a restart", root, e)  # fmt: skip
+        return secrets.token_bytes(32)

@@ -1,16 +1,17 @@
 """HiCache's storage tier (L3): KV pages in files that outlive the server.
 
-A page is stored as one framed blob: a magic line, a JSON header (format, model identity, key,
-tensor shapes, dtype, SHA-256 of the payload), then the payload: the page's MLA entry in every
-layer (the MTP layer included) and its indexer key in every indexer layer. A page's key chains
-the SHA-256 of the model identity and every token up to the page's end, so a key names one prefix
-of one model. A blob that fails any check (truncated, checksum, foreign identity, wrong key or
-shape) is logged and skipped, never loaded.
+A page is stored as one framed blob (hicache_codec.py: authenticated by the deployment's HMAC key,
+then a JSON header and the payload). A page's key chains the SHA-256 of the model identity and
+every token up to the page's end, so a key names one prefix of one model. A blob that fails any
+check (not authenticated, truncated, foreign identity, a header of any wrong shape) is logged,
+counted as rejected, removed, and its tokens recomputed; never loaded.
 
 Seam: `StorageBackend` stores opaque blobs by key (`exists`, `get`, `set`, `clear`). `file` is a
 directory backend (atomic tmp + rename writes, a size cap with LRU eviction); `dynamic` loads a
 user class named in `--hicache-storage-backend-extra-config` (`module_path`, `class_name`).
-`StorageTier` frames pages and runs writes and prefetches on background threads.
+`StorageTier` frames pages and runs writes and prefetches on background threads. The `file`
+backend's directory is 0700 and its files 0600; by default it lives under the user's cache
+directory (`$XDG_CACHE_HOME/dsaserve/hicache`, else `~/.cache/dsaserve/hicache`).
 """
 
 from __future__ import annotations
@@ -27,23 +28,14 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
-from typing import NamedTuple
 
-import torch
+from dsaserve.engine.hicache_codec import PageCodec, PageTensors
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DSAKV1\n"
-FORMAT_VERSION = 1
-DEFAULT_DIR = "/tmp/hicache"  # SGLang's HiCacheFile default
 DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # SGLang's variable for the file backend
 DEFAULT_MAX_SIZE_GB = 10.0
 EXIT_DRAIN_S = 10.0  # how long a normal exit waits for queued writes (then they are dropped)
-
-
-class PageTensors(NamedTuple):
-    kv: torch.Tensor  # [layers, page_size, kv_entry_dim]: latent || rope, MTP layer last
-    index: torch.Tensor  # [index_layers, page_size, index_head_dim]
 
 
 class StorageBackend(ABC):
@@ -81,7 +73,8 @@ class FileBackend(StorageBackend):
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, oldest first
         self._warned: set[str] = set()
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            private_dir(Path(root))
+            private_dir(self.dir)
             self._scan()
         except OSError as e:
             self.usable = False
@@ -133,7 +126,7 @@ class FileBackend(StorageBackend):
             self._make_room(len(blob))
         tmp = self.dir / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(blob)
             os.replace(tmp, self._path(key))
         except OSError as e:
@@ -174,6 +167,25 @@ class FileBackend(StorageBackend):
         logger.log(level, msg, *args)
 
 
+def default_dir() -> Path:
+    """Under the user's cache directory (not a shared /tmp, which SGLang's file backend uses)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "dsaserve" / "hicache"
+
+
+def storage_root(extra: dict) -> Path:
+    """`file_path` from the extra config, else SGLang's variable, else `default_dir()`."""
+    return Path(extra.get("file_path") or os.environ.get(DIR_ENV) or default_dir())
+
+
+def private_dir(path: Path) -> None:
+    """Create `path` (and missing parents) 0700; a folder of ours that exists is made 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.stat()
+    if info.st_mode & 0o077 and info.st_uid == os.getuid():
+        os.chmod(path, 0o700)
+
+
 def _unlink(path: Path) -> None:
     try:
         path.unlink()
@@ -184,9 +196,8 @@ def _unlink(path: Path) -> None:
 def make_backend(name: str, extra: dict, namespace: str) -> StorageBackend:
     """`file` or `dynamic` (a class taking (extra_config, namespace), implementing the seam)."""
     if name == "file":
-        root = extra.get("file_path") or os.environ.get(DIR_ENV) or DEFAULT_DIR
         max_gb = float(extra.get("max_size_gb", DEFAULT_MAX_SIZE_GB))
-        return FileBackend(root, namespace, int(max_gb * 2**30))
+        return FileBackend(str(storage_root(extra)), namespace, int(max_gb * 2**30))
     if name == "dynamic":
         module_path, class_name = extra.get("module_path"), extra.get("class_name")
         if not module_path or not class_name:
@@ -195,81 +206,6 @@ def make_backend(name: str, extra: dict, namespace: str) -> StorageBackend:
         cls = getattr(importlib.import_module(module_path), class_name)
         return cls(extra, namespace)
     raise ValueError(f"--hicache-storage-backend {name}: use file or dynamic")
-
-
-class PageCodec:
-    """Frames one page's tensors with the header that makes a foreign or damaged blob refusable."""
-
-    def __init__(self, identity: str, kv_shape: tuple, index_shape: tuple, dtype: torch.dtype):
-        self.identity = identity
-        self.kv_shape, self.index_shape, self.dtype = kv_shape, index_shape, dtype
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        self.kv_bytes = itemsize * _numel(kv_shape)
-        self.payload_bytes = self.kv_bytes + itemsize * _numel(index_shape)
-
-    def page_keys(self, tokens: list[int], page_size: int) -> list[str]:
-        """Key of every whole page of `tokens`: a hash chain from the model identity."""
-        keys, digest = [], bytes.fromhex(self.identity)
-        ids = torch.tensor(tokens, dtype=torch.int64)
-        for start in range(0, len(tokens) // page_size * page_size, page_size):
-            digest = hashlib.sha256(digest + ids[start : start + page_size].numpy().tobytes())
-            digest = digest.digest()
-            keys.append(digest.hex())
-        return keys
-
-    def encode(self, key: str, page: PageTensors) -> bytes:
-        payload = _raw(page.kv) + _raw(page.index)
-        header = {"format": FORMAT_VERSION, "identity": self.identity, "key": key,
-                  "kv_shape": list(self.kv_shape), "index_shape": list(self.index_shape),
-                  "dtype": str(self.dtype), "payload_bytes": len(payload),
-                  "sha256": hashlib.sha256(payload).hexdigest()}  # fmt: skip
-        return MAGIC + json.dumps(header).encode() + b"\n" + payload
-
-    def decode(self, key: str, blob: bytes) -> PageTensors | None:
-        """The page in `blob`, or None (logged) if anything about it is wrong."""
-        problem, header, payload = self._check(key, blob)
-        if problem is not None:
-            logger.warning("HiCache storage: skipped page %s: %s; it is recomputed (and the "
-                           "file replaced)", key[:16], problem)  # fmt: skip
-            return None
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        kv = raw[: self.kv_bytes].view(self.dtype).view(self.kv_shape)
-        index = raw[self.kv_bytes :].view(self.dtype).view(self.index_shape)
-        return PageTensors(kv, index)
-
-    def _check(self, key: str, blob: bytes) -> tuple[str | None, dict, bytes]:
-        if not blob.startswith(MAGIC):
-            return "not a dsaserve KV page (bad magic)", {}, b""
-        end = blob.find(b"\n", len(MAGIC))
-        try:
-            header = json.loads(blob[len(MAGIC) : end])
-        except ValueError:
-            return "unreadable header (corrupt or truncated)", {}, b""
-        payload = blob[end + 1 :]
-        if header.get("identity") != self.identity:
-            return "written by another model/layout (foreign identity)", header, payload
-        expected = {"format": FORMAT_VERSION, "key": key, "kv_shape": list(self.kv_shape),
-                    "index_shape": list(self.index_shape), "dtype": str(self.dtype),
-                    "payload_bytes": self.payload_bytes}  # fmt: skip
-        for name, value in expected.items():
-            if header.get(name) != value:
-                return f"header {name} is {header.get(name)!r}, expected {value!r}", header, payload
-        if len(payload) != self.payload_bytes:
-            return f"truncated ({len(payload)} of {self.payload_bytes} payload bytes)", header, b""
-        if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-            return "checksum mismatch (corrupt)", header, payload
-        return None, header, payload
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 class Prefetch:

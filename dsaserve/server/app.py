@@ -36,6 +36,9 @@ from dsaserve.server.validation import check_content_type
 logger = logging.getLogger("dsaserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+# a route's gate: SERVING answers 503 while starting, draining or after the engine died; STARTED
+# only while starting (what the model card, the flags and the stats need); OPEN never
+SERVING, STARTED, OPEN = "serving", "started", "open"
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -53,7 +56,7 @@ def build_app(state: ServerState) -> FastAPI:
         state.body_decoder = BodyDecoder(use_processes=False)
     bodies: list[type[BaseModel]] = []
 
-    def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True,
+    def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: str = SERVING,
               body: type[BaseModel] | None = None,
               response_class: type = JSONResponse):  # fmt: skip
         def register(handler: Handler) -> Handler:
@@ -73,7 +76,7 @@ def build_app(state: ServerState) -> FastAPI:
     _add_admin_routes(route, state)
     add_console_routes(app, state.args.api_key, chat=True)  # no engine, no key, no gate
 
-    @route("/openapi.json", ["GET"], gate=False)
+    @route("/openapi.json", ["GET"], gate=OPEN)
     async def openapi(state: ServerState, request: Request) -> Any:
         return build_openapi(app, bodies)
 
@@ -106,30 +109,30 @@ def _add_generation_routes(route: Callable) -> None:
 
 def _add_admin_routes(route: Callable, state: ServerState) -> None:
     """Models, health, info, load, cache, abort and metrics."""
-    app_route_alias = lambda path, handler: route(path, ["GET"], gate=False)(handler)  # noqa: E731
+    app_route_alias = lambda path, handler: route(path, ["GET"], gate=STARTED)(handler)  # noqa: E731
 
-    @route("/v1/models", ["GET"], gate=False)
+    @route("/v1/models", ["GET"], gate=STARTED)
     async def models(state: ServerState, request: Request) -> Any:
         return {"object": "list", "data": [_model_card(state)]}
 
-    @route("/v1/models/{model_id:path}", ["GET"], gate=False)
+    @route("/v1/models/{model_id:path}", ["GET"], gate=STARTED)
     async def model(state: ServerState, request: Request) -> Any:
         return _model_card(state)
 
-    @route("/health", ["GET"], gate=False, response_class=Response)
+    @route("/health", ["GET"], gate=OPEN, response_class=Response)
     async def health(state: ServerState, request: Request) -> Any:
         _check_serving(state)
         return Response(status_code=200)
 
-    @route("/health_generate", ["GET"], gate=False, response_class=Response)
+    @route("/health_generate", ["GET"], gate=OPEN, response_class=Response)
     async def health_generate(state: ServerState, request: Request) -> Any:
         return await _health_generate(state)
 
-    @route("/get_server_info", ["GET"], gate=False)
+    @route("/get_server_info", ["GET"], gate=STARTED)
     async def server_info(state: ServerState, request: Request) -> Any:
         return await _server_info(state)
 
-    @route("/get_model_info", ["GET"], gate=False)
+    @route("/get_model_info", ["GET"], gate=STARTED)
     async def model_info(state: ServerState, request: Request) -> Any:
         tm = state.tokenizer_manager
         return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path,
@@ -141,7 +144,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     app_route_alias("/server_info", server_info)
     app_route_alias("/model_info", model_info)
 
-    @route("/get_load", ["GET"], gate=False)
+    @route("/get_load", ["GET"], gate=STARTED)
     async def get_load(state: ServerState, request: Request) -> Any:
         """SGLang's load report, one entry per attention group (sglang-router's power_of_two
         reads num_tokens), from the stats the engine last published."""
@@ -169,7 +172,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
     if state.args.enable_metrics:
 
-        @route("/metrics", ["GET"], gate=False, response_class=PlainTextResponse)
+        @route("/metrics", ["GET"], gate=STARTED, response_class=PlainTextResponse)
         async def metrics(state: ServerState, request: Request) -> Any:
             stats = state.engine.stats if state.engine.dead is None else {}
             text = state.metrics.render(stats) + dp_metrics_text(state.metrics.model, stats)
@@ -177,14 +180,16 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
 
 async def _guarded(
-    state: ServerState, request: Request, handler: Handler, anthropic_errors: bool, gate: bool,
+    state: ServerState, request: Request, handler: Handler, anthropic_errors: bool, gate: str,
     body: type[BaseModel] | None,
 ) -> Any:  # fmt: skip
     try:
         _authenticate(state, request)
         check_content_type(request)
-        if gate:
+        if gate == SERVING:
             _check_serving(state)
+        elif gate == STARTED:
+            _check_started(state)
         if body is None:
             return await handler(state, request)
         return await handler(state, request, body=await _parse(state, request, body))
@@ -228,11 +233,18 @@ def _authenticate(state: ServerState, request: Request) -> None:
         raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
 
-def _check_serving(state: ServerState) -> None:
-    if state.engine is not None and state.engine.dead is not None:
+def _check_started(state: ServerState) -> None:
+    """503 until the engine is loaded (or after it died before that)."""
+    if state.engine is not None and state.engine.dead is not None and not state.ready:
         raise APIError(503, f"engine unavailable: {state.engine.dead}", code="engine_dead")
     if not state.ready:
         raise APIError(503, "server is starting", retry_after=5)
+
+
+def _check_serving(state: ServerState) -> None:
+    if state.engine is not None and state.engine.dead is not None:
+        raise APIError(503, f"engine unavailable: {state.engine.dead}", code="engine_dead")
+    _check_started(state)
     if state.draining:
         raise APIError(503, "server is shutting down", retry_after=5)
 
@@ -298,6 +310,7 @@ async def _server_info(state: ServerState) -> dict:
     tm = state.tokenizer_manager
     return {
         **dataclasses.asdict(state.args), "api_key": "***" if state.args.api_key else None,
+        "cluster_secret": "***" if state.args.cluster_secret else None,
         "served_model_name": tm.model_name if tm else state.args.served_model_name,
         "version": __version__,
         "engine_pid": state.engine_info.get("pid"),

@@ -4,12 +4,17 @@
 (the function behind `dsaserve plan --json`). None of these routes touch the engine, so they
 answer while it loads, drains or is dead, and they need no API key: the page itself holds the key
 field, and the planner only computes. The chat half of the page calls the server's own API.
+
+The bodies are bounded like the API's (64 KiB, JSON nested at most 64 deep: a 4xx in the planner's
+error shape). A matrix is a pure function of the planner's tables and its query, so each query's
+is computed once (one at a time, off the loop) and kept (the last `MATRIX_CACHE` queries).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +24,8 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from dsaserve import __version__
 from dsaserve.deploy.api import coerce_query, invalid_body, plan_answer, plan_matrix, plan_options
 from dsaserve.deploy.hardware import PlanError
+from dsaserve.server.errors import APIError
+from dsaserve.server.json_limits import decode_json
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "console"
 MEDIA_TYPES = {
@@ -27,6 +34,7 @@ MEDIA_TYPES = {
     "console.css": "text/css; charset=utf-8",
 }
 MAX_PLAN_BODY = 64 * 1024
+MATRIX_CACHE = 64
 # the page loads nothing from elsewhere, and says so to the browser
 PAGE_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; "
@@ -72,22 +80,43 @@ async def _plan(request: Request) -> JSONResponse:
     if len(body) > MAX_PLAN_BODY:
         return JSONResponse(invalid_body(f"request body over {MAX_PLAN_BODY} bytes"), 413)
     try:
-        fields = json.loads(body or b"{}")
-    except (ValueError, UnicodeDecodeError):
-        return JSONResponse(invalid_body("malformed JSON body"), 400)
-    if not isinstance(fields, dict):
-        return JSONResponse(invalid_body("the request body must be a JSON object"), 400)
+        fields = decode_json(body or b"{}")
+    except APIError as e:
+        return JSONResponse(invalid_body(e.message, e.param), e.status)
     answer = await asyncio.to_thread(plan_answer, fields)  # keep the HTTP loop free
     return JSONResponse(answer.body, answer.http_status)
 
 
 async def _matrix(request: Request) -> JSONResponse:
     try:
-        fixed = coerce_query(dict(request.query_params))
-        matrix = await asyncio.to_thread(plan_matrix, fixed)
+        matrix = await _cached_matrix(coerce_query(dict(request.query_params)))
     except PlanError as e:
         return JSONResponse(invalid_body(str(e), getattr(e, "param", None)), 400)
     return JSONResponse(matrix)
+
+
+class _Matrices:
+    """The matrix of each recent query; computed once, one at a time, off the event loop."""
+
+    def __init__(self) -> None:
+        self.done: OrderedDict[tuple, dict] = OrderedDict()
+        self.lock = threading.Lock()
+
+    async def get(self, fixed: dict[str, Any]) -> dict:
+        key = tuple(sorted(fixed.items()))
+        found = self.done.get(key)
+        return found if found is not None else await asyncio.to_thread(self._compute, key, fixed)
+
+    def _compute(self, key: tuple, fixed: dict[str, Any]) -> dict:
+        with self.lock:  # a burst of one query computes it once; the others find it done
+            if key not in self.done:
+                self.done[key] = plan_matrix(fixed)
+                while len(self.done) > MATRIX_CACHE:
+                    self.done.popitem(last=False)
+            return self.done[key]
+
+
+_cached_matrix = _Matrices().get
 
 
 def build_console_app() -> FastAPI:

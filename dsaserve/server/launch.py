@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from dsaserve.args import ArgsError, ServerArgs, speculative_settings
+from dsaserve.cluster.addresses import exposure_error
 from dsaserve.server import ipc
 from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         args = ServerArgs.from_cli(argv)
         speculative_settings(args)  # e.g. DFLASH2 (parsed as SGLang's): refused before starting
         check_layout(args)
+        exposed = exposure_error(args)
+        if exposed:
+            raise ArgsError(exposed)
         if args.node_rank > 0:
             from dsaserve.distributed.node import serve_node
 

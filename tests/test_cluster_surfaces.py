@@ -1,0 +1,305 @@
+"""Issue 32, the parts without an engine: the bootstrap server's authentication, its rank table
+(no overwrite), its HTTP limits; defensive parsing of every PD frame (hypothesis); CURVE between
+ZMQ peers; where internal surfaces listen and what they advertise."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsaserve.args import ServerArgs
+from dsaserve.cluster import addresses
+from dsaserve.cluster.secret import cluster_secret
+from dsaserve.cluster.zmq_auth import ZmqAuth
+from dsaserve.disaggregation import bootstrap, kv_layout
+from dsaserve.disaggregation.protocol import (
+    FrameError,
+    KVPoll,
+    Registration,
+    Status,
+    TransferInfo,
+    parse_to_prefill,
+)
+from dsaserve.disaggregation.registry import RankTable
+
+SECRET = "s3cret-for-the-cluster"
+RANK = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+        "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1,
+        "system_dp_rank": 0, "rank_ip": "10.0.0.7", "rank_port": 4000, "page_size": 64,
+        "kv_cache_dtype": "bf16", "dsaserve_session": "abc"}  # fmt: skip
+ALL = "prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+
+
+@pytest.fixture
+def server() -> Iterator[bootstrap.BootstrapServer]:
+    running = bootstrap.BootstrapServer("127.0.0.1", 0, SECRET, header_timeout=1.0)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def url(server: bootstrap.BootstrapServer, path: str) -> str:
+    return f"http://127.0.0.1:{server.port}{path}"
+
+
+# ---- the rank table ------------------------------------------------------------------------
+def test_a_registered_rank_is_replaced_only_by_its_own_registration_id() -> None:
+    table = RankTable()
+    status, first = table.register(dict(RANK))
+    assert status == 200 and len(first["registration_id"]) == 32
+    attacker = {**RANK, "rank_ip": "10.6.6.6", "rank_port": 6666}
+    assert table.register(attacker)[0] == 409
+    assert table.register({**attacker, "registration_id": "0" * 32})[0] == 409
+    assert table.route({k: ["0"] for k in bootstrap.RANK_KEYS}) == (
+        200, {"rank_ip": "10.0.0.7", "rank_port": 4000})  # fmt: skip
+    moved = {**RANK, "rank_port": 4001, **first}  # the same process, on a new port
+    assert table.register(moved) == (200, first)
+    assert table.route({k: ["0"] for k in bootstrap.RANK_KEYS})[1]["rank_port"] == 4001
+
+
+def test_every_rank_of_a_layout_registers_on_its_own() -> None:
+    table, sizes = RankTable(), {"attn_tp_size": 2, "attn_dp_size": 2}
+    ids = set()
+    for dp in range(2):
+        for tp in range(2):
+            place = {"attn_tp_rank": tp, "attn_dp_rank": dp, "rank_port": 4000 + 2 * dp + tp}
+            status, answer = table.register({**RANK, **sizes, **place})
+            assert status == 200, answer
+            ids.add(answer["registration_id"])
+            assert table.ready() == (dp == tp == 1)
+    assert len(ids) == 4
+    query = {"prefill_dp_rank": ["1"], "prefill_cp_rank": ["0"], "target_tp_rank": ["1"],
+             "target_pp_rank": ["0"]}  # fmt: skip
+    assert table.route(query)[1]["rank_port"] == 4003
+    assert table.register({**RANK, "attn_tp_size": 4, "attn_tp_rank": 3})[0] == 409  # layout
+
+
+@pytest.mark.parametrize("change", [
+    {"rank_ip": "0.0.0.0"}, {"rank_ip": "::"}, {"rank_ip": "a b"}, {"rank_ip": 7},
+    {"rank_port": 0}, {"rank_port": 70000}, {"rank_port": "12x"}, {"rank_port": True},
+    {"attn_tp_rank": 1}, {"attn_tp_size": 0}, {"page_size": -1}, {"kv_cache_dtype": [1]},
+    {"dsaserve_session": {"a": 1}},
+])  # fmt: skip
+def test_bad_registrations_are_refused(change: dict) -> None:
+    status, message = RankTable().register({**RANK, **change})
+    assert status == 400 and "bad registration" in message
+
+
+# ---- the HTTP server -------------------------------------------------------------------------
+def test_route_needs_the_secret_health_does_not(server: bootstrap.BootstrapServer) -> None:
+    assert httpx.get(url(server, "/health")).status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET}):
+        assert httpx.get(url(server, f"/route?{ALL}"), headers=headers).status_code == 401
+        assert httpx.put(url(server, "/route"), json=RANK, headers=headers).status_code == 401
+    address = f"127.0.0.1:{server.port}"
+    with pytest.raises(RuntimeError, match="refused"):
+        bootstrap.register_rank(address, RANK, "wrong")
+    assert bootstrap.register_rank(address, RANK, SECRET)
+    assert bootstrap.query_route(address, (0, 0, 0, 0), SECRET)["rank_port"] == 4000
+    with pytest.raises(RuntimeError, match="401"):
+        bootstrap.query_route(address, (0, 0, 0, 0), None)
+
+
+def test_body_limits(server: bootstrap.BootstrapServer) -> None:
+    auth = {"Authorization": f"Bearer {SECRET}"}
+    deep = b"[" * 2000 + b"]" * 2000
+    answer = httpx.put(url(server, "/route"), content=deep, headers=auth)
+    assert answer.status_code == 400 and "nested deeper" in answer.text
+    big = json.dumps({**RANK, "pad": "x" * 70_000})
+    assert httpx.put(url(server, "/route"), content=big, headers=auth).status_code == 413
+    assert httpx.put(url(server, "/route"), content=b"{]", headers=auth).status_code == 400
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(1024):
+            pass
+        return True
+    except TimeoutError:
+        return False
+    except ConnectionError:  # reset: closed too
+        return True
+
+
+def test_a_short_body_or_silent_client_is_cut_off(server: bootstrap.BootstrapServer) -> None:
+    short = _connect(server.port)  # declares 500 bytes, sends 10, waits
+    short.sendall(b"PUT /route HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + SECRET.encode()
+                  + b"\r\nContent-Length: 500\r\n\r\n{\"a\": 1, ")  # fmt: skip
+    silent = _connect(server.port)
+    half = _connect(server.port)
+    half.sendall(b"GET /route HTTP/1.1\r\nHost")
+    started = time.monotonic()
+    assert all(_closed_within(s, 5.0) for s in (short, silent, half))
+    assert time.monotonic() - started < 4.0  # --header-timeout 1 here
+    assert not RankTable.ready(server.table)  # the half body registered nothing
+
+
+def test_stalled_clients_are_capped_without_threads(server: bootstrap.BootstrapServer) -> None:
+    threads = threading.active_count()
+    stalled = [_connect(server.port) for _ in range(300)]
+    try:
+        for sock in stalled:
+            with contextlib.suppress(ConnectionError):
+                sock.sendall(b"PUT /route HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+        assert threading.active_count() <= threads + 1  # uvicorn: one loop, no thread per client
+        assert httpx.get(url(server, "/health"), timeout=5).status_code in (200, 503)
+        refused = sum(_closed_within(s, 0.2) for s in stalled[-100:])
+        assert refused >= 90  # over the 64-connection cap: answered 503 and closed at once
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the stalled ones are gone after --header-timeout
+        if httpx.get(url(server, "/health"), timeout=5).status_code == 200:
+            break
+        time.sleep(0.2)
+    assert httpx.get(url(server, "/health"), timeout=5).status_code == 200
+
+
+# ---- frames ----------------------------------------------------------------------------------
+def _register_frames(layout: dict) -> list[bytes]:
+    return Registration("tcp://10.0.0.1:5000", "agent", b"meta", layout).frames()
+
+
+FRAMES = st.one_of(
+    st.lists(st.binary(max_size=64), max_size=7),
+    st.builds(lambda f, i: [b"REGISTER", *f][:i], st.lists(st.binary(max_size=40), max_size=6),
+              st.integers(0, 7)),
+    st.builds(lambda room, pages, aux: [room, b"tcp://1.2.3.4:5", b"a", pages, aux],
+              st.one_of(st.binary(max_size=24), st.integers(-2**70, 2**70).map(
+                  lambda n: str(n).encode())),
+              st.binary(max_size=41), st.integers(-2**40, 2**40).map(lambda n: str(n).encode())),
+    st.builds(lambda room, ep: [b"ABORT", room, ep], st.binary(max_size=24),
+              st.sampled_from([b"tcp://x:1", b"tcp://x:0", b"udp://x:1", b"tcp://:", b"\xff"])),
+)  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(FRAMES)
+def test_prefill_frames_parse_or_raise_frame_error(frames: list[bytes]) -> None:
+    try:
+        message = parse_to_prefill(frames)
+    except FrameError:
+        return
+    if isinstance(message, TransferInfo):
+        assert 0 <= message.room < 2**63 and min(message.pages, default=0) >= 0
+    if isinstance(message, Registration):
+        kv_layout.mismatch({}, message.layout)  # a malformed layout is named, never raised
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=6), st.integers(0, 5))
+def test_status_frames_parse_or_raise_frame_error(frames: list[bytes], junk_at: int) -> None:
+    good = Status(7, KVPoll.Success, 0, {"bytes": 1}).frames()
+    for candidate in (frames, good[:junk_at] + frames[: 4 - junk_at]):
+        try:
+            Status.parse(candidate)
+        except FrameError:
+            pass
+
+
+def test_frames_name_what_is_wrong() -> None:
+    info = TransferInfo(5, "tcp://10.0.0.1:5000", "agent", [1, 2], 3).frames()
+    cases = {
+        "4 parts, expected 5": info[:4],
+        "not an integer": [b"1_0", *info[1:]],
+        "int32 each": [*info[:3], b"abc", info[4]],
+        "negative page": [*info[:3], b"\xff\xff\xff\xff", info[4]],
+        "not a tcp://host:port": [info[0], b"tcp://10.0.0.1:99999", *info[2:]],
+        "not an object": [*_register_frames({})[:4], b"[1]"],
+    }
+    for expected, frames in cases.items():
+        with pytest.raises(FrameError, match=expected):
+            parse_to_prefill(frames)
+    assert "malformed" in kv_layout.mismatch({}, {"kv_ptr": "0x10"})
+
+
+# ---- CURVE between ZMQ peers -----------------------------------------------------------------
+def _push_pull(server_secret: str | None, client_secret: str | None) -> list | None:
+    """What a PULL (the server's auth) receives from a PUSH (the client's auth) within 1.5 s."""
+    contexts = zmq.Context(), zmq.Context()
+    auths = ZmqAuth(contexts[0], server_secret), ZmqAuth(contexts[1], client_secret)
+    pull = auths[0].serve(contexts[0].socket(zmq.PULL))
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = auths[1].dial(contexts[1].socket(zmq.PUSH))
+    push.connect(f"tcp://127.0.0.1:{port}")
+    push.send_multipart([b"hello", b"world"])
+    got = pull.recv_multipart() if pull.poll(1500) else None
+    for sock in (push, pull):
+        sock.close(linger=0)
+    for auth, context in zip(auths, contexts):
+        auth.close()
+        context.term()
+    return got
+
+
+def test_curve_admits_only_the_secret() -> None:
+    assert _push_pull(SECRET, SECRET) == [b"hello", b"world"]
+    assert _push_pull(SECRET, "another secret") is None
+    assert _push_pull(SECRET, None) is None  # a plain client never completes the handshake
+    assert _push_pull(None, None) == [b"hello", b"world"]  # no secret: plain (loopback only)
+
+
+# ---- where surfaces listen and what they advertise ---------------------------------------------
+def _args(*argv: str) -> ServerArgs:
+    return ServerArgs.from_cli(list(argv))
+
+
+def test_the_secret_defaults_to_the_api_key_and_stays_out_of_reprs(monkeypatch) -> None:
+    monkeypatch.delenv("DSASERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN", "from-sglang")
+    assert cluster_secret(_args()) == "from-sglang"
+    monkeypatch.setenv("DSASERVE_CLUSTER_SECRET", "from-env")
+    assert cluster_secret(_args("--api-key", "k")) == "from-env"
+    monkeypatch.delenv("DSASERVE_CLUSTER_SECRET")
+    monkeypatch.delenv("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN")
+    assert cluster_secret(_args("--api-key", "the-api-key")) == "the-api-key"
+    args = _args("--api-key", "the-api-key", "--cluster-secret", "the-secret")
+    assert cluster_secret(args) == "the-secret"
+    assert "the-secret" not in repr(args) and "the-api-key" not in repr(args)
+
+
+def test_exposure_is_refused_without_a_secret(monkeypatch) -> None:
+    for name in ("DSASERVE_CLUSTER_SECRET", "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN",
+                 "DSASERVE_API_KEY"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    pd = ["--disaggregation-mode", "prefill"]
+    assert "--cluster-secret" in addresses.exposure_error(_args("--host", "0.0.0.0", *pd))
+    assert addresses.exposure_error(_args("--host", "127.0.0.2", *pd)) is None
+    assert addresses.exposure_error(_args("--host", "0.0.0.0")) is None  # no internal port
+    far = _args("--dist-init-addr", "10.1.2.3:5000", "--tp", "2")
+    assert "torch.distributed" in addresses.exposure_error(far)
+    assert addresses.exposure_error(_args("--host", "0.0.0.0", "--api-key", "k", *pd)) is None
+    assert addresses.internal_host(_args("--host", "0.0.0.0", *pd)) == "127.0.0.1"
+    assert addresses.internal_host(_args("--host", "0.0.0.0", "--cluster-secret", "s")) == "0.0.0.0"
+
+
+def test_the_advertised_address_is_never_a_wildcard(monkeypatch) -> None:
+    for name in addresses.ADVERTISE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    wild = ("--host", "0.0.0.0")
+    assert addresses.advertise_host(_args("--host", "127.0.0.9")) == "127.0.0.9"
+    assert addresses.advertise_host(_args(*wild, "--disaggregation-advertise-host", "h1")) == "h1"
+    node0 = _args(*wild, "--dist-init-addr", "127.0.0.2:5000")
+    assert addresses.advertise_host(node0) == "127.0.0.2"  # node 0: its own address there
+    assert addresses.advertise_host(_args(*wild), peer="127.0.0.2") == "127.0.0.1"  # the route
+    assert addresses.advertise_host(_args(*wild)) == addresses.route_source("192.0.2.1")
+    monkeypatch.setenv("SGLANG_HOST_IP", "10.9.8.7")
+    assert addresses.advertise_host(_args(*wild)) == "10.9.8.7"
+    assert addresses.tcp_endpoint("::1", 5) == "tcp://[::1]:5"
