@@ -26,6 +26,7 @@ from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import RECIPES, PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import RULES, plan
+from dsaserve.server import console
 from dsaserve.server.app import build_app
 from dsaserve.server.state import ServerState
 
@@ -134,6 +135,42 @@ def test_bad_bodies(api: TestClient):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_len"
     assert api.get("/api/plan/matrix", params={"nope": "1"}).json()["error"]["param"] == "nope"
     assert api.get("/api/plan/matrix", params={"speculative": "x"}).status_code == 400
+
+
+def test_deep_json_is_a_400_in_the_planners_shape(api: TestClient):
+    for body in (b"[" * 2000 + b"]" * 2000, b'{"a": ' * 100 + b"1" + b"}" * 100):
+        r = api.post("/api/plan", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["ok"] is False
+        assert "nested deeper" in r.json()["error"]["message"]
+
+
+def test_matrix_is_computed_once_per_query(api: TestClient, monkeypatch):
+    calls = []
+    monkeypatch.setattr(console, "plan_matrix", lambda fixed: calls.append(fixed) or {"n": 1})
+    query = {"speculative": "none", "input_len": "4321"}  # a query no other test asks
+    threads = [threading.Thread(target=api.get, args=("/api/plan/matrix",), kwargs={"params":
+               query}) for _ in range(16)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert api.get("/api/plan/matrix", params=query).json() == {"n": 1}
+    assert len(calls) == 1  # 17 calls, one computation
+    api.get("/api/plan/matrix", params={**query, "input_len": "4322"})
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/x", "/get_server_info",
+                                  "/get_model_info", "/model_info", "/get_load", "/health",
+                                  "/v1/completions", "/flush_cache"])  # fmt: skip
+def test_every_route_is_a_503_in_the_apis_shape_while_starting(path: str):
+    c = client(ready=False)
+    r = c.post(path, json={"prompt": "x"}) if path == "/v1/completions" else c.get(path)
+    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+    if path != "/health":
+        assert r.json()["error"]["type"] == "ServiceUnavailableError"
+    info = client(engine=DeadEngine()).get("/get_server_info")  # started, then died: it answers
+    assert info.status_code == 200 and info.json()["cluster_secret"] is None
 
 
 def test_cli_json_bad_input_prints_the_same_envelope(api: TestClient, capsys):

@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation behind the real sglang-router, KV moved by NIXL: greedy output
 through 1 prefill + 1 decode (and + 2 decodes) equals one colocated `dsaserve serve` on the same
 checkpoint, EAGLE at the decode, prompts longer than index_topk; the per-room checksums show the
-decode received exactly the bytes the prefill computed for every layer, indexer layer and MTP."""
+decode received exactly the bytes the prefill computed for every layer, indexer layer and MTP.
+The PD roles hold a cluster secret: their bootstrap routes and ZMQ frames are authenticated."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ PROMPTS = [
     "Write a short poem about the sea, the wind and the old lighthouse keeper who lives there.",
     "List three facts about volcanoes, and explain why each one matters to people nearby.",
 ]
+SECRET = {"DSASERVE_CLUSTER_SECRET": "pd-router-secret"}  # bootstrap and ZMQ authenticated
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +58,15 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     names = ["colocated", "prefill", "decode", "decode2"]
     specs = [
         (checkpoint, EAGLE, None),
-        (checkpoint, EAGLE + pd_flags("prefill", port), None),
-        (checkpoint, EAGLE + pd_flags("decode", port), None),
-        (checkpoint, EAGLE + pd_flags("decode", port), None),
+        (checkpoint, EAGLE + pd_flags("prefill", port), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
         for role in ("prefill", "decode"):
             flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
-            specs.append((checkpoint, EAGLE + flags, None))
+            specs.append((checkpoint, EAGLE + flags, SECRET))
     with running_servers(specs) as started:
         yield {**dict(zip(names, started)), "bootstrap_port": port,
                "mooncake_bootstrap_port": mooncake_port}  # fmt: skip

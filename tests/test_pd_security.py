@@ -169,7 +169,7 @@ LAYOUT_KEYS = ["kv_ptr", "kv_layers", "slots", "page_size", "dtype", "mtp", "kv_
 VALUE = st.one_of(INTS, st.text(max_size=8), st.booleans(), st.none())
 LAYOUT = st.dictionaries(st.sampled_from(LAYOUT_KEYS), VALUE)
 TO_PREFILL = st.one_of(
-    st.lists(PART, max_size=7),
+    st.lists(PART, min_size=1, max_size=7),
     st.tuples(ENDPOINT, PART, PART, LAYOUT).map(
         lambda t: [b"REGISTER", t[0], t[1], t[2], json.dumps(t[3]).encode()]),
     st.tuples(ASCII_INT, ENDPOINT, PART, st.binary(max_size=64), ASCII_INT).map(list),
@@ -180,7 +180,7 @@ DETAIL = st.one_of(st.binary(max_size=32), st.dictionaries(
     st.one_of(INTS, st.text(max_size=8), st.lists(st.text(max_size=4), max_size=3), st.none()),
 ).map(lambda d: json.dumps(d).encode()))  # fmt: skip
 TO_DECODE = st.one_of(
-    st.lists(PART, max_size=6), st.tuples(ASCII_INT, ASCII_INT, ASCII_INT, DETAIL).map(list)
+    st.lists(PART, min_size=1, max_size=6), st.tuples(ASCII_INT, ASCII_INT, ASCII_INT, DETAIL).map(list)
 )
 
 

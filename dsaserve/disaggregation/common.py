@@ -107,6 +107,10 @@ class RoleEngine:
     def active_rooms(self) -> int:
         raise NotImplementedError
 
+    def has_work(self) -> bool:
+        """Rooms in flight, or frames waiting (so an idle role still reads its peers)."""
+        return self.engine.has_work() or self.active_rooms() > 0 or bool(self.inbox.poll(0))
+
     # ---- sockets -------------------------------------------------------------------------
     def send(self, endpoint: str, frames: list[bytes]) -> None:
         """Best effort, never blocking: a dead peer's messages are dropped."""

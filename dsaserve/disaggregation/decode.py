@@ -92,9 +92,6 @@ class DecodeEngine(RoleEngine):
             self.send(state.endpoint, Abort(room, state.reply_to).frames())
         return aborted_output(state.req)
 
-    def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self.rooms)
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()

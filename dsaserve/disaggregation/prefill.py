@@ -128,9 +128,6 @@ class PrefillEngine(RoleEngine):
             return aborted_output(state.req)
         return self.engine.abort(rid)
 
-    def has_work(self) -> bool:
-        return self.engine.has_work() or bool(self.rooms)
-
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         busy = self.engine.has_work()

@@ -3,7 +3,7 @@
 Why: gloo's TCP all-reduce costs about 0.5 ms when both ranks arrive together and 3 ms or more
 when they do not (each wait is a blocking read and a wake-up), and a decode step runs two per
 layer. Here the ranks of a group map one file under /dev/shm (unlinked as soon as every rank has
-mapped it, so nothing is left behind even after kill -9):
+mapped it, so nothing is left behind even after kill -9; 0600, so no other user maps it):
 
 - a flag per rank, each on its own cache line: the sequence number of the last message it wrote;
 - two data areas (used alternately), each with one slot of `SLOT_BYTES` per rank.
@@ -75,8 +75,8 @@ class ShmGroup:
         if rank == ranks[0]:
             path = Path(_shm_dir()) / f"dsaserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             size = len(ranks) * FLAG_STRIDE * 8 + 2 * len(ranks) * SLOT_BYTES
-            with open(path, "wb") as f:
-                f.truncate(size)  # zeros: every flag starts at sequence 0
+            with os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.truncate(size)  # zeros: every flag starts at sequence 0; this user's alone
             holder[0] = str(path)
         dist.broadcast_object_list(holder, src=ranks[0], group=group)
         try:
