@@ -179,9 +179,8 @@ DETAIL = st.one_of(st.binary(max_size=32), st.dictionaries(
     st.sampled_from(["bytes", "seconds", "checksums", "reason"]),
     st.one_of(INTS, st.text(max_size=8), st.lists(st.text(max_size=4), max_size=3), st.none()),
 ).map(lambda d: json.dumps(d).encode()))  # fmt: skip
-TO_DECODE = st.one_of(
-    st.lists(PART, min_size=1, max_size=6), st.tuples(ASCII_INT, ASCII_INT, ASCII_INT, DETAIL).map(list)
-)
+STATUS = st.tuples(ASCII_INT, ASCII_INT, ASCII_INT, DETAIL).map(list)
+TO_DECODE = st.one_of(st.lists(PART, min_size=1, max_size=6), STATUS)
 
 
 @contextlib.contextmanager
