@@ -13,6 +13,7 @@ is computed once (one at a time, off the loop) and kept (the last `MATRIX_CACHE`
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -92,25 +93,26 @@ async def _matrix(request: Request) -> JSONResponse:
         matrix = await _cached_matrix(coerce_query(dict(request.query_params)))
     except PlanError as e:
         return JSONResponse(invalid_body(str(e), getattr(e, "param", None)), 400)
-    return JSONResponse(matrix)
+    return Response(matrix, media_type="application/json")
 
 
 class _Matrices:
-    """The matrix of each recent query; computed once, one at a time, off the event loop."""
+    """The matrix of each recent query, as its JSON bytes; computed once, one at a time, off the
+    event loop."""
 
     def __init__(self) -> None:
-        self.done: OrderedDict[tuple, dict] = OrderedDict()
+        self.done: OrderedDict[tuple, bytes] = OrderedDict()
         self.lock = threading.Lock()
 
-    async def get(self, fixed: dict[str, Any]) -> dict:
+    async def get(self, fixed: dict[str, Any]) -> bytes:
         key = tuple(sorted(fixed.items()))
         found = self.done.get(key)
         return found if found is not None else await asyncio.to_thread(self._compute, key, fixed)
 
-    def _compute(self, key: tuple, fixed: dict[str, Any]) -> dict:
+    def _compute(self, key: tuple, fixed: dict[str, Any]) -> bytes:
         with self.lock:  # a burst of one query computes it once; the others find it done
             if key not in self.done:
-                self.done[key] = plan_matrix(fixed)
+                self.done[key] = json.dumps(plan_matrix(fixed)).encode()
                 while len(self.done) > MATRIX_CACHE:
                     self.done.popitem(last=False)
             return self.done[key]
