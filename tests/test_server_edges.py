@@ -1,7 +1,7 @@
 """Issue 12, the parts that need their own server: `/health` stays fast while a 30 MB body is
 rejected and while an engine step runs (stats come from the last published ones), half-sent
-headers are timed out, and the API key can come from the environment (so it stays out of `ps`),
-with `/openapi.json` behind it."""
+headers and a body shorter than its Content-Length are timed out (issue 32), and the API key can
+come from the environment (so it stays out of `ps`), with `/openapi.json` behind it."""
 
 from __future__ import annotations
 
@@ -106,6 +106,23 @@ def test_half_sent_headers_are_timed_out(edge_server: Server):
     with socket.create_connection((address.hostname, address.port), timeout=15) as conn:
         conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # a whole request is answered
         assert conn.recv(1024).startswith(b"HTTP/1.1 200")
+
+
+def test_a_body_shorter_than_its_content_length_is_cut_off(edge_server: Server):
+    address = urlparse(edge_server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=15) as conn:
+        conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 5000\r\n"
+                     b"\r\n{\"text\": \"x\"")  # fmt: skip
+        start = time.monotonic()
+        try:
+            while conn.recv(1024):  # whatever it answers, the connection must end
+                pass
+            closed = True
+        except TimeoutError:
+            closed = False
+        assert closed and time.monotonic() - start < 10  # --header-timeout 1 here, between pieces
+    assert httpx.get(edge_server.url + "/health", timeout=10).status_code == 200
 
 
 def test_api_key_from_the_environment(edge_server: Server):

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.server import ipc
 from dsaserve.server.errors import APIError
 
 WATCH_INTERVAL_S = 0.2
+logger = logging.getLogger("dsaserve.server")
 
 
 class EngineDead(APIError):
@@ -50,6 +54,7 @@ class EngineClient:
         self.tasks: list[asyncio.Task] = []
         self.metrics: Any = None
         self.stats: dict = {}
+        self.frames = FrameLog(logger, "the engine processes")
 
     def start(self, process: multiprocessing.process.BaseProcess) -> None:
         self.process = process
@@ -155,9 +160,16 @@ class EngineClient:
             raise EngineDead(self.dead)
 
     async def _receive_loop(self) -> None:
+        """Route every message; one that does not decode or cannot be routed is dropped (and
+        logged sparingly), so no frame stops the outputs of every other request."""
         while True:
-            message = ipc.decode_from_engine(await self.from_engine.recv())
-            self._dispatch(message)
+            data = await self.from_engine.recv()
+            try:
+                self._dispatch(ipc.decode_from_engine(data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.frames.dropped("undecodable", str(e))
+            except Exception as e:
+                self.frames.dropped("unroutable", f"{type(e).__name__}: {e}", exc_info=True)
 
     def _dispatch(self, message: ipc.FromEngine) -> None:
         if isinstance(message, ipc.Outputs):
