@@ -266,6 +266,9 @@ class PrefillEngine(RoleEngine):
         pages = req.pages[: kv_layout.pages_for(prompt_len, self.engine.pool.page_size)]
         if len(info.pages) != len(pages):
             raise ValueError(f"the decode gave {len(info.pages)} pages for {len(pages)}")
+        wrong = kv_layout.destination_error(peer.layout, info.pages, info.aux_index)
+        if wrong:  # checked at the start too; the decode may have registered again since
+            raise ValueError(wrong)
         token = req.output_ids[0]
         logprob = req.pending_logprobs[0] if req.pending_logprobs else None
         aux.pack(self.aux, 0, token, logprob)
