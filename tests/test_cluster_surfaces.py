@@ -303,3 +303,11 @@ def test_the_advertised_address_is_never_a_wildcard(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_HOST_IP", "10.9.8.7")
     assert addresses.advertise_host(_args(*wild)) == "10.9.8.7"
     assert addresses.tcp_endpoint("::1", 5) == "tcp://[::1]:5"
+
+
+def test_interfaces_are_found_by_address() -> None:
+    assert addresses.interface_of("127.0.0.2") == addresses.interface_of("127.0.0.1") == "lo"
+    outward = addresses.route_source("192.0.2.1")
+    if outward and not addresses.is_loopback(outward):  # a machine with a default route
+        assert addresses.interface_of(outward) not in (None, "lo")
+    assert addresses.interface_of("203.0.113.77") is None  # not an address of this machine

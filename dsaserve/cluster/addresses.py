@@ -14,9 +14,12 @@ default route, else 127.0.0.1. Finding an interface sends no packet (a UDP socke
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import socket
+import struct
+import sys
 from typing import Any
 
 from dsaserve.cluster.secret import SECRET_HINT, cluster_secret
@@ -24,6 +27,7 @@ from dsaserve.cluster.secret import SECRET_HINT, cluster_secret
 ADVERTISE_ENVS = ("SGLANG_HOST_IP", "HOST_IP")  # SGLang's get_local_ip_auto reads these
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
 DEFAULT_ROUTE_PROBE = "192.0.2.1"  # TEST-NET-1: only the routing table is consulted
+SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
 
 def is_wildcard(host: str) -> bool:
@@ -121,3 +125,24 @@ def is_local_address(host: str) -> bool:
             return True
     except (OSError, IndexError):
         return False
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's interface that holds `address` (Linux, IPv4; else None), for
+    GLOO_SOCKET_IFNAME and the like."""
+    if sys.platform != "linux":
+        return None
+    names = [name for _, name in socket.if_nameindex()]
+    if is_loopback(address):  # all of 127/8 is on the loopback interface
+        return next((n for n in names if (_ipv4_of(n) or "").startswith("127.")), None)
+    return next((n for n in names if _ipv4_of(n) == address), None)
+
+
+def _ipv4_of(name: str) -> str | None:
+    request = struct.pack("256s", name[:15].encode())
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            packed = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
