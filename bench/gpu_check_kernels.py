@@ -7,12 +7,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.kv_quant import KV_STORE, quantize_entry, quantize_key
 from dsaserve.kernels import reference
 from dsaserve.kernels import triton_fp8_gemm as gemm
+from dsaserve.kernels.kv_quant import KV_STORE, quantize_entry, quantize_key
+from dsaserve.kernels.static_moe import static_experts
 from dsaserve.kernels.triton_indexer import indexer_decode_topk, indexer_scores
 from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
-from dsaserve.layers.static_moe import static_experts
 from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,9 +13,9 @@ from torch import nn
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.forward_batch import ForwardBatch
 from dsaserve.engine.kv_pool import KVPool
-from dsaserve.kernels.fp8_experts import Fp8Experts
-from dsaserve.kernels.fp8_linear import keep_fp8
 from dsaserve.kernels.registry import Kernels
+from dsaserve.layers.fp8_experts import Fp8Experts
+from dsaserve.layers.fp8_linear import keep_fp8
 from dsaserve.layers.moe import MoE, Router
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids

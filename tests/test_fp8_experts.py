@@ -16,7 +16,7 @@ from triton_env import needs_triton
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine import cuda_graph
 from dsaserve.kernels import triton_moe
-from dsaserve.kernels.fp8_experts import Fp8Experts, keep_fp8_experts
+from dsaserve.layers.fp8_experts import Fp8Experts, keep_fp8_experts
 from dsaserve.layers.moe import Experts, MoE
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM

@@ -18,7 +18,7 @@ from tiny_models import make_checkpoint
 from dsaserve import LLM, SamplingParams
 from dsaserve.deploy.memory import kv_bytes_per_layer
 from dsaserve.deploy.models import load_model
-from dsaserve.engine.kv_quant import (
+from dsaserve.kernels.kv_quant import (
     dequantize_entry,
     dequantize_key,
     index_key_bytes,

@@ -17,10 +17,10 @@ import torch
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.kernels import cpu_decode
+from dsaserve.kernels.topk import topk_earliest
+from dsaserve.layers import cpu_decode
 from dsaserve.layers.fused import FusedDecode, rotation
 from dsaserve.layers.rotary import apply_rotary
-from dsaserve.layers.topk import topk_earliest
 
 MODES = {"python": {"disable_native_decode": True}, "native": {}}
 

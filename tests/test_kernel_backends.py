@@ -70,7 +70,7 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
     """`--fp8-gemm-backend triton`: the quantised Linears hold the checkpoint's e4m3 bytes (no
     dequantised copy) and compute through the block-FP8 GEMM; the logits stay those of the
     dequantising torch path up to the activation's e4m3 rounding."""
-    from dsaserve.kernels.fp8_linear import Fp8Linear
+    from dsaserve.layers.fp8_linear import Fp8Linear
     from dsaserve.models.fp8 import quantize_checkpoint
 
     fp8 = tmp_path / "fp8"

@@ -6,8 +6,8 @@ import pytest
 import torch
 from triton_env import DEVICE, needs_triton
 
-from dsaserve.engine.kv_quant import quantize_key
 from dsaserve.kernels import reference
+from dsaserve.kernels.kv_quant import quantize_key
 
 pytestmark = needs_triton
 

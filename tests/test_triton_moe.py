@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from triton_env import DEVICE, gpu, needs_triton
 
-from dsaserve.layers.static_moe import static_experts
+from dsaserve.kernels.static_moe import static_experts
 from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = needs_triton

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dsaserve.deploy.models import ModelSpec
-from dsaserve.engine.kv_layout import mla_entry_bytes
+from dsaserve.kernels.fp8_kv_sizes import mla_entry_bytes
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 weight + one fp32 scale per 128x128 block
 FP4_BYTES = 0.5 + 1 / 16  # e2m1 weight + one fp8 scale per 16 elements (NVFP4)

@@ -36,12 +36,12 @@ def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
 def follower_runner(args: Any, parallel: Any, device: torch.device) -> RankRunner:
     from dsaserve.args import speculative_settings
     from dsaserve.engine.kv_pool import KVPool
-    from dsaserve.engine.kv_quant import resolve_kv_dtype
     from dsaserve.engine.startup import layer_split, load_model, pick_dtype, pool_pages
-    from dsaserve.kernels.fp8_keep import KeptFp8, keep_fp8_weights, rank_reports
+    from dsaserve.kernels.kv_quant import resolve_kv_dtype
     from dsaserve.kernels.registry import choose_kernels
     from dsaserve.model_config import ModelConfig
     from dsaserve.models.dsa_moe import index_cache_ids
+    from dsaserve.models.fp8_keep import KeptFp8, keep_fp8_weights, rank_reports
 
     config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
     dtype = pick_dtype(args.dtype, config, device)

@@ -25,7 +25,6 @@ from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
-from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.report import report
@@ -41,12 +40,13 @@ from dsaserve.engine.startup import (
     pool_bytes_per_token,
     pool_pages,
 )
-from dsaserve.kernels.fp8_experts import expert_bytes
-from dsaserve.kernels.fp8_keep import keep_fp8_weights, rank_reports
+from dsaserve.kernels.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.kernels.registry import choose_kernels
+from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import index_cache_ids
+from dsaserve.models.fp8_keep import keep_fp8_weights, rank_reports
 from dsaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

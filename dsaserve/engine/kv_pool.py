@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
+from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.model_config import ModelConfig
 
 

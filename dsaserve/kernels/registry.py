@@ -44,9 +44,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TRITON: "dsaserve.kernels.triton_sparse_mla:sparse_mla_decode",
         FLASHMLA: "dsaserve.kernels.flash_mla_adapter:sparse_mla_decode",
     },
-    "kv_store": {TORCH: "dsaserve.engine.kv_quant:KV_STORE"},
+    "kv_store": {TORCH: "dsaserve.kernels.kv_quant:KV_STORE"},
     "moe": {
-        TORCH: "dsaserve.layers.static_moe:static_experts",
+        TORCH: "dsaserve.kernels.static_moe:static_experts",
         TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:grouped_experts",
     },

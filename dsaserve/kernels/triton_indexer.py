@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.engine.kv_quant import is_fp8
-from dsaserve.layers.topk import topk_earliest
+from dsaserve.kernels.kv_quant import is_fp8
+from dsaserve.kernels.topk import topk_earliest
 
 BLOCK_L = 32
 

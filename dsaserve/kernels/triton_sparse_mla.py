@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.engine.kv_quant import group_size, is_fp8
+from dsaserve.kernels.kv_quant import group_size, is_fp8
 
 BLOCK_N = 16
 BLOCK_H = 16

@@ -30,7 +30,7 @@ from torch import nn
 
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
-from dsaserve.kernels import cpu_decode
+from dsaserve.layers import cpu_decode
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE

@@ -15,7 +15,7 @@ from dsaserve.distributed.layer_split import fetch_layer
 from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
-from dsaserve.engine.kv_quant import KV_STORE
+from dsaserve.kernels.kv_quant import KV_STORE
 from dsaserve.kernels.reference import softmax_attend
 from dsaserve.layers.indexer import Indexer, Selection, row_blocks
 from dsaserve.layers.norm import RMSNorm

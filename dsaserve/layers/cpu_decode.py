@@ -22,7 +22,7 @@ from dsaserve.layers.moe import MoE
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCE = Path(__file__).parents[1] / "kernels" / "cpu_decode.cpp"
 NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's router)
 
 

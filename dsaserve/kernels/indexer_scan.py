@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.kv_quant import KV_STORE
-from dsaserve.layers.topk import topk_earliest
+from dsaserve.kernels.kv_quant import KV_STORE
+from dsaserve.kernels.topk import topk_earliest
 
 ROWS = 32  # query rows per block: a [ROWS * heads, KEY_TILE] fp32 tile is 2 MiB (the L2 size)
 KEY_TILE = 2048

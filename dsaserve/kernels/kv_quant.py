@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.kv_layout import group_size, index_key_bytes, mla_entry_bytes  # noqa: F401
+from dsaserve.kernels.fp8_kv_sizes import group_size, index_key_bytes, mla_entry_bytes  # noqa: F401
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
