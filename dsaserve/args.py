@@ -254,7 +254,7 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
 
 def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
     """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    from dsaserve.distributed.context_parallel import check_context_parallel
+    from dsaserve.layers.context_parallel import check_context_parallel
 
     check_context_parallel(args)
     if args.disaggregation_mode != "null" and args.disaggregation_transfer_backend not in (

@@ -14,7 +14,7 @@ from enum import IntEnum
 
 import torch
 
-from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch
+from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch
 from dsaserve.layers.indexer import Selection
 
 

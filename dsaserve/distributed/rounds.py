@@ -21,7 +21,7 @@ import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.distributed.payload import Op, OpInputs, empty, pack, unpack
-from dsaserve.engine.forward_batch import current_batch, forward_context, swapped_batch
+from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 

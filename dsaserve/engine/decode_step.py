@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch
+from dsaserve.layers.forward_batch import ForwardBatch
 from dsaserve.layers.fused import FusedDecode
 
 logger = logging.getLogger(__name__)

@@ -7,10 +7,10 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
-from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.kernels.registry import DEFAULT_KERNELS, Kernels
+from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 

@@ -51,7 +51,7 @@ def layer_split(args: ServerArgs, parallel: ParallelState):
         return None
     from functools import partial
 
-    from dsaserve.distributed.layer_split import split_kv_cache
+    from dsaserve.layers.layer_split import split_kv_cache
 
     return partial(split_kv_cache, args, parallel)
 

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers import cpu_decode
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection
+from dsaserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
 

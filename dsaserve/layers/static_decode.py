@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import current_batch
+from dsaserve.layers.forward_batch import current_batch
 from dsaserve.layers.moe import MoE
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsaserve.distributed.linear import ExpertShard, Shard
+from dsaserve.layers.linear import ExpertShard, Shard
 from dsaserve.models.fp8 import dequantize_block_fp8
 
 Index = tuple[slice, ...]

@@ -23,7 +23,7 @@ import torch
 
 from dsaserve.args import ArgsError
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.forward_batch import ForwardBatch
+from dsaserve.layers.forward_batch import ForwardBatch
 
 
 def check_layer_split(args: Any) -> None:

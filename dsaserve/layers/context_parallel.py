@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from dsaserve.args import ArgsError
-from dsaserve.distributed.layer_split import check_layer_split, fetch_layer
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.kernels.indexer_scan import causal_topk
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Selection, row_blocks
+from dsaserve.layers.layer_split import check_layer_split, fetch_layer
 from dsaserve.layers.rotary import apply_rotary
 
 ZIGZAG_REFUSAL = ("--cp-strategy zigzag is temporarily unavailable for GLM-5.3 and DeepSeek-V3.2;"
