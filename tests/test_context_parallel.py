@@ -21,7 +21,7 @@ from dsaserve import LLM, SamplingParams
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
 from dsaserve.deploy.memory import kv_bytes_per_token, layer_split_kv_bytes_per_token
 from dsaserve.deploy.models import load_model
-from dsaserve.distributed.rounds import DistributedModel
+from dsaserve.engine.rounds import DistributedModel
 
 TOPK = 8
 PROMPTS = [[(7 * i + 3) % 300 + 1 for i in range(n)] for n in (20 * TOPK, 5, 40, 3 * TOPK + 1)]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.ranks import Endpoint, init_rank, rank_threads
-from dsaserve.distributed.rounds import RankRunner
+from dsaserve.engine.rounds import RankRunner
 
 
 def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:

@@ -29,6 +29,7 @@ from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.report import report
 from dsaserve.engine.request import Req
+from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
 from dsaserve.engine.startup import (
@@ -43,7 +44,6 @@ from dsaserve.engine.startup import (
 from dsaserve.kernels.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.fp8_experts import expert_bytes
-from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import index_cache_ids
 from dsaserve.models.fp8_keep import keep_fp8_weights, rank_reports
@@ -151,7 +151,7 @@ class Engine:
         self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, stored, self.device,
                            fp8=fp8, split=layer_split(args, self.parallel))  # fmt: skip
         if self.parallel.world > 1:
-            from dsaserve.distributed.rounds import DistributedModel, RankRunner
+            from dsaserve.engine.rounds import DistributedModel, RankRunner
 
             runner = RankRunner(self.model, self.pool.kv_cache, self.pool.index_cache,
                                 self.parallel, self.device)  # fmt: skip

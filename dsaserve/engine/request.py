@@ -11,7 +11,7 @@ import torch
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import RequestOutput, TokenLogprob
 from dsaserve.engine.radix_cache import TreeNode
-from dsaserve.layers.sampler import SamplingState
+from dsaserve.engine.sampler import SamplingState
 from dsaserve.sampling_params import SamplingParams
 
 _arrival = itertools.count()

@@ -55,7 +55,7 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:fp8_linear",
     },
-    "sampling": {TORCH: "dsaserve.layers.sampler:Sampler"},
+    "sampling": {TORCH: "dsaserve.engine.sampler:Sampler"},
 }
 
 # SGLang names for its kernels -> the implementation of ours that stands in for them on CUDA

@@ -145,7 +145,7 @@ class EngineLoop:
         return IDLE_POLL_MS
 
     def run(self) -> int:
-        from dsaserve.distributed.rounds import Stopped
+        from dsaserve.engine.rounds import Stopped
 
         threading.Thread(target=self._watchdog, daemon=True).start()
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.distributed.payload import Op, OpInputs, empty, pack, unpack
+from dsaserve.engine.round_payload import Op, OpInputs, empty, pack, unpack
 from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
