@@ -16,11 +16,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from dsaserve import __version__
-from dsaserve.distributed.controller import dp_metrics_text, load_report
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.console import add_console_routes
+from dsaserve.server.dp_controller import dp_metrics_text, load_report
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai import serving_chat, serving_completions
 from dsaserve.server.openai.protocol import (

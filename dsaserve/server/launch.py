@@ -129,7 +129,7 @@ async def serve(args: ServerArgs, tokenizer: Any) -> int:
     paths = ipc.IpcPaths.fresh()
     groups = args.dp_size if args.enable_dp_attention else 1
     if groups > 1:
-        from dsaserve.distributed.controller import DPEngineClient
+        from dsaserve.server.dp_controller import DPEngineClient
 
         engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
     else:

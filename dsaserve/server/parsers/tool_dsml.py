@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsaserve.grammar.tool_schema import allowed_types, convert_value, is_plain_string
 from dsaserve.server.parsers.events import (
     Content,
     Event,
@@ -34,7 +35,6 @@ from dsaserve.server.parsers.events import (
     held_suffix,
 )
 from dsaserve.server.parsers.tool_glm47 import _escape, new_call_id, tool_properties
-from dsaserve.server.parsers.tool_schema import allowed_types, convert_value, is_plain_string
 
 DSML = "｜DSML｜"
 TAG_STARTS = (f"<{DSML}", f"</{DSML}")

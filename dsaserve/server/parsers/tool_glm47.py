@@ -14,6 +14,7 @@ import json
 import uuid
 from collections.abc import Callable
 
+from dsaserve.grammar.tool_schema import allowed_types, convert_value, is_plain_string
 from dsaserve.server.parsers.events import (
     Content,
     Event,
@@ -22,7 +23,6 @@ from dsaserve.server.parsers.events import (
     find_first,
     held_suffix,
 )
-from dsaserve.server.parsers.tool_schema import allowed_types, convert_value, is_plain_string
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"

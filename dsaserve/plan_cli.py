@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.web:
-        from dsaserve.deploy.web import serve_console
+        from dsaserve.server.console_standalone import serve_console
 
         return serve_console(ns.host or "127.0.0.1", 8080 if ns.port is None else ns.port)
     fields = {k: v for k, v in vars(ns).items() if k not in ("json", "web")}
