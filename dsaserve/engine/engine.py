@@ -97,7 +97,7 @@ class Engine:
         self.ranks = None
         if parallel is None and ParallelSizes.from_args(self.args).tp > 1:
             from dsaserve.distributed.checks import check_parallel
-            from dsaserve.distributed.ranks import start_ranks
+            from dsaserve.runtime.ranks import start_ranks
 
             check_parallel(self.args, self.model_config, self.device.type)
             if extra is None and ParallelSizes.from_args(self.args).groups > 1:
@@ -369,7 +369,7 @@ class Engine:
 
     def kill_ranks(self) -> None:
         if self.ranks is not None:
-            from dsaserve.distributed.ranks import kill_all
+            from dsaserve.runtime.ranks import kill_all
 
             kill_all(self.ranks.children)
 

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from dsaserve.engine.io import GenerateRequest
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
 from dsaserve.server.engine_client import EngineClient
 from dsaserve.server.errors import APIError
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from dsaserve.engine.io import GenerateRequest, RequestOutput
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
 from dsaserve.server.errors import APIError
 
 WATCH_INTERVAL_S = 0.2

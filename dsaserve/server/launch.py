@@ -19,11 +19,11 @@ from typing import Any
 import uvicorn
 
 from dsaserve.args import ArgsError, ServerArgs, speculative_settings
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
+from dsaserve.runtime.engine_process import run_engine_process
 from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.engine_process import run_engine_process
 from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         speculative_settings(args)  # e.g. DFLASH2 (parsed as SGLang's): refused before starting
         check_layout(args)
         if args.node_rank > 0:
-            from dsaserve.distributed.node import serve_node
+            from dsaserve.runtime.node import serve_node
 
             return serve_node(args)
         tokenizer = load_tokenizer(args)

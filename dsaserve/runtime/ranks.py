@@ -121,13 +121,13 @@ def rank_threads(sizes: ParallelSizes) -> None:
 
 
 class RankProcess:
-    """A spawned rank: `python -m dsaserve.distributed.rank_entry`, its arguments pickled on
+    """A spawned rank: `python -m dsaserve.runtime.rank_entry`, its arguments pickled on
     stdin (so no caller's main module is re-imported, unlike multiprocessing's spawn)."""
 
     def __init__(self, rank: int, payload: tuple) -> None:
         self.name = f"rank {rank}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "dsaserve.distributed.rank_entry"], stdin=subprocess.PIPE
+            [sys.executable, "-m", "dsaserve.runtime.rank_entry"], stdin=subprocess.PIPE
         )
         self.process.stdin.write(pickle.dumps(payload))
         self.process.stdin.close()
@@ -228,7 +228,7 @@ def rank_main(args: Any, rank: int, where: Endpoint, extra: Any, parent_pid: int
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(parent_pid)
-    from dsaserve.distributed.follower import run_rank
+    from dsaserve.runtime.follower import run_rank
 
     code = 1
     try:

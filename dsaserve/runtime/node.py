@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from dsaserve.distributed.parallel_state import ParallelSizes
-from dsaserve.distributed.ranks import (
+from dsaserve.runtime.ranks import (
     RendezvousError,
     endpoint,
     kill_all,

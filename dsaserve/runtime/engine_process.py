@@ -24,7 +24,7 @@ import msgspec
 import zmq
 
 from dsaserve.args import ServerArgs
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
 
 IDLE_POLL_MS = 200
 DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from dsaserve.distributed.ranks import Endpoint, init_rank, rank_threads
 from dsaserve.engine.rounds import RankRunner
+from dsaserve.runtime.ranks import Endpoint, init_rank, rank_threads
 
 
 def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
@@ -23,7 +23,7 @@ def run_rank(args: Any, rank: int, where: Endpoint, extra: Any) -> int:
     parallel = init_rank(args, rank, where, device.type)
     rank_threads(parallel.sizes)
     if parallel.is_leader:  # another DP-attention group's scheduler
-        from dsaserve.server.engine_process import run_group_leader
+        from dsaserve.runtime.engine_process import run_group_leader
 
         return run_group_leader(args, extra, parallel)
     if device.type == "cuda":
