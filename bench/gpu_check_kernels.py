@@ -9,11 +9,11 @@ from torch import nn
 
 from dsaserve.kernels import reference
 from dsaserve.kernels import triton_fp8_gemm as gemm
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
 from dsaserve.kernels.kv_quant import KV_STORE, quantize_entry, quantize_key
 from dsaserve.kernels.static_moe import static_experts
 from dsaserve.kernels.triton_indexer import indexer_decode_topk, indexer_scores
 from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.kernels.block_fp8 import FP8_DTYPE
 from dsaserve.kernels.registry import Kernels
 from dsaserve.layers.forward_batch import ForwardBatch
 from dsaserve.layers.fp8_experts import Fp8Experts
@@ -19,7 +20,6 @@ from dsaserve.layers.fp8_linear import keep_fp8
 from dsaserve.layers.moe import MoE, Router
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
-from dsaserve.models.fp8 import FP8_DTYPE
 
 
 def copy_bandwidth() -> float:

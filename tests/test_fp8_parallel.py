@@ -24,11 +24,12 @@ from triton_env import needs_triton
 from dsaserve import LLM, SamplingParams
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.startup import load_model
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.fp8_experts import Fp8Experts
 from dsaserve.layers.fp8_linear import Fp8Linear
 from dsaserve.model_config import ModelConfig
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_checkpoint
+from dsaserve.models.fp8 import quantize_checkpoint
 from dsaserve.models.fp8_keep import checksum, keep_fp8_weights
 
 pytestmark = needs_triton

@@ -95,8 +95,8 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
 
 
 def _exact_fp8_gemm(x, w8, scale_inv, bias=None):
+    from dsaserve.kernels.block_fp8 import dequantize_block_fp8
     from dsaserve.kernels.triton_fp8_gemm import act_quant
-    from dsaserve.models.fp8 import dequantize_block_fp8
 
     flat = x.reshape(-1, x.shape[-1])
     a8, a_scale = act_quant(flat)

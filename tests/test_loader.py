@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8, quantize_checkpoint
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.models.fp8 import quantize_checkpoint
 from dsaserve.models.loader import CheckpointError, load_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -7,7 +7,7 @@ import torch
 from triton_env import DEVICE, needs_triton
 
 from dsaserve.kernels import reference
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = needs_triton
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from triton_env import DEVICE, gpu, needs_triton
 
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
 from dsaserve.kernels.static_moe import static_experts
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = needs_triton
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8
 from dsaserve.kernels.indexer_scan import decode_scores
 from dsaserve.kernels.kv_quant import KV_STORE
 from dsaserve.kernels.topk import topk_earliest
-from dsaserve.models.fp8 import dequantize_block_fp8
 
 
 def indexer_scores(

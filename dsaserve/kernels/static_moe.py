@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from dsaserve.layers.moe import Experts
-from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, dequantize_block_fp8
 
 
 def gathered_form(tokens: int, top_k: int, experts: int) -> bool:
@@ -31,9 +31,10 @@ def gathered_form(tokens: int, top_k: int, experts: int) -> bool:
 
 
 def static_experts(
-    experts: Experts, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
+    experts: nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{index[t, j]}(x[t]) for every row t: [T, H] in x's dtype.
+    `experts`: layers/moe.py's `Experts` (its `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]).
     index, weights [T, k] from the router; every expert is local (one rank, no EP). The torch
     `moe` op (kernels/registry.py); block-FP8 expert weights are dequantised per call."""
     tokens, top_k = index.shape
@@ -43,7 +44,7 @@ def static_experts(
     return _dense(gate_up, down, x, index, weights)
 
 
-def expert_weights(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [E, 2I, H] and down [E, H, I] as float (FP8 ones, with their `*_scale_inv`
     beside them, dequantised)."""
     gate_up, down = experts.gate_up_proj, experts.down_proj

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, KEPT_BLOCK, scale_shape
 from dsaserve.layers.moe import Experts, MoE
-from dsaserve.models.fp8 import FP8_DTYPE, KEPT_BLOCK, scale_shape
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dsaserve.models.fp8 import FP8_DTYPE, KEPT_BLOCK, QUANTIZED_WEIGHT_RE, scale_shape
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, KEPT_BLOCK, QUANTIZED_WEIGHT_RE, scale_shape
 
 logger = logging.getLogger(__name__)
 

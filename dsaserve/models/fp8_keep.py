@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dsaserve.kernels.block_fp8 import KEPT_BLOCK, SCALE_SUFFIX
 from dsaserve.layers.fp8_experts import expert_bytes, keep_fp8_experts
 from dsaserve.layers.fp8_linear import keep_fp8
 from dsaserve.models.checkpoint_files import fp8_block_size
-from dsaserve.models.fp8 import KEPT_BLOCK, SCALE_SUFFIX
 from dsaserve.models.load_targets import FP8_DTYPES
 
 logger = logging.getLogger(__name__)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dsaserve.kernels.block_fp8 import SCALE_SUFFIX, dequantize_block_fp8
 from dsaserve.models.checkpoint_files import (
     CheckpointError,
     find_checkpoint_files,
@@ -36,7 +37,6 @@ from dsaserve.models.checkpoint_files import (
     tensor_locations,
 )
 from dsaserve.models.checkpoint_slices import Index, pad_to, read_piece, shard_pieces
-from dsaserve.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8
 from dsaserve.models.load_targets import (
     FP8_DTYPES,
     Target,
