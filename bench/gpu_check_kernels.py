@@ -164,11 +164,9 @@ def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
 
 
 def run_checks(shapes: dict, contexts: list[int], prefill: int = 4096) -> list[dict]:
-    from gpu_check import linear_shapes
-
     s = shapes["tp"]
     checks = [c for ctx in contexts for c in check_indexer(s, ctx)] + check_sparse_mla(s)
-    for name, (n, k) in linear_shapes(s).items():
+    for name, (n, k) in s.linear_shapes().items():
         checks += [check_gemm(name, n, k, m) for m in (1, 64)]
     for moe, r in shapes.items():
         checks.append(check_gemm(f"{moe} expert gate_up", 2 * r.expert_inter, r.hidden, 8))
