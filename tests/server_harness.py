@@ -74,16 +74,23 @@ def write_scripts(folder: Path, scripts: dict) -> Path:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path | None, *flags: str, env: dict | None = None, scripts: Path | None = None
+    model: Path | None,
+    *flags: str,
+    env: dict | None = None,
+    scripts: Path | None = None,
+    real_engine: bool = True,
 ) -> Iterator[Server]:
-    """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit."""
+    """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit.
+    With `scripts` (or `real_engine=False`) its engine process drives tests/scripted_engine.py's
+    double: the scripts in front of the real engine, or alone."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    if scripts is not None:
-        full_env["DSASERVE_TEST_SCRIPTS"] = str(scripts)
     model_flags = [] if model is None else ["--model-path", str(model)]  # None: embedded model
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", *model_flags,
-               "--port", "0", "--max-total-tokens", "4096", "--page-size", "16",
-               *flags]  # fmt: skip
+    serve = [sys.executable, "-m", "dsaserve.cli", "serve"]
+    if scripts is not None or not real_engine:
+        double = [str(scripts or "-"), "real" if real_engine else "alone"]
+        serve = [sys.executable, str(Path(__file__).with_name("scripted_serve.py")), *double]
+    command = [*serve, *model_flags, "--port", "0", "--max-total-tokens", "4096",
+               "--page-size", "16", *flags]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
         start_new_session=True,

@@ -86,9 +86,9 @@ def planner() -> Iterator[str]:
 @pytest.fixture(scope="module")
 def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     scripts = write_scripts(tmp_path_factory.mktemp("console_scripts"), SCRIPTS)
-    env = {"DSASERVE_TEST_ENGINE": "scripted"}  # the embedded model's tokenizer, no weights run
     flags = ["--enable-metrics", "--enable-cache-report", "--served-model-name", "glm-console"]
-    with running_server(None, *flags, env=env, scripts=scripts) as server:
+    # the embedded model's tokenizer, no weights run
+    with running_server(None, *flags, scripts=scripts, real_engine=False) as server:
         yield server
 
 

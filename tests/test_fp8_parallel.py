@@ -23,7 +23,7 @@ from triton_env import needs_triton
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.engine.startup import load_model
+from dsaserve.engine.shard import load_model
 from dsaserve.kernels.block_fp8 import dequantize_block_fp8
 from dsaserve.kernels.registry import choose_kernels
 from dsaserve.layers.fp8_experts import Fp8Experts

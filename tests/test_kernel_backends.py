@@ -12,8 +12,9 @@ from tiny_models import make_checkpoint
 from triton_env import gpu, needs_triton
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
+from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.kernels.registry import IMPLEMENTATIONS, choose_kernels, load
+from dsaserve.runtime.preflight import refuse_unrunnable
 
 PROMPT = torch.randint(0, 380, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 

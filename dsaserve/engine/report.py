@@ -3,13 +3,11 @@ requests, KV pool and radix cache use, the kernels and FP8 weights chosen, and t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dsaserve.engine.engine import Engine
+from typing import Any
 
 
-def report(engine: Engine) -> dict:
+def report(engine: Any) -> dict:
+    """`engine`: an `Engine` (engine/engine.py, which calls this for its `stats()`)."""
     pool, cache = engine.pool, engine.cache
     used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
     prompt = engine.stats_counters["prompt_tokens"]

@@ -26,50 +26,12 @@ from typing import Any
 
 import torch
 
-from dsaserve.args import ArgsError
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.kernels.indexer_scan import causal_topk
 from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Selection, row_blocks
-from dsaserve.layers.layer_split import check_layer_split, fetch_layer
+from dsaserve.layers.layer_split import fetch_layer
 from dsaserve.layers.rotary import apply_rotary
-
-ZIGZAG_REFUSAL = ("--cp-strategy zigzag is temporarily unavailable for GLM-5.3 and DeepSeek-V3.2;"
-                  " use --cp-strategy interleave with --dp 1")  # fmt: skip
-
-
-def cp_size(args: Any) -> int:
-    """The CP ranks the flags ask for (1: no context parallelism)."""
-    return args.attn_cp_size if args.enable_prefill_cp else 1
-
-
-def check_context_parallel(args: Any) -> None:
-    """Refuse a CP layout this build cannot run, in one line naming the flag."""
-    n = args.attn_cp_size
-    if n == 1 and not args.enable_prefill_cp:
-        check_layer_split(args)
-        return
-    if not args.enable_prefill_cp:
-        raise ArgsError(f"--attn-cp-size {n}: context parallelism here is for prefill; add "
-                        "--enable-prefill-cp --cp-strategy interleave")  # fmt: skip
-    if n == 1:
-        raise ArgsError("--enable-prefill-cp needs --attn-cp-size > 1 (the CP ranks)")
-    if args.cp_strategy == "zigzag":
-        raise ArgsError(ZIGZAG_REFUSAL)
-    if args.dp_size != 1:
-        raise ArgsError(f"--cp-strategy interleave needs --dp 1 (got --dp {args.dp_size}; "
-                        "SGLang requires dp_size == 1)")  # fmt: skip
-    if str(args.kv_cache_dtype).startswith("fp8"):
-        raise ArgsError("--enable-prefill-cp with --kv-cache-dtype fp8_e4m3: the CP all-gathers "
-                        "move unquantised entries; use the default KV dtype")  # fmt: skip
-    if getattr(args, "disaggregation_mode", "null") == "decode":
-        raise ArgsError("--enable-prefill-cp is for prefill; it is not allowed on decode workers")
-    check_layer_split(args)
-    if args.tp_size != n:
-        raise ArgsError(
-            f"--attn-cp-size {n} must equal --tp {args.tp_size}: the CP ranks are the TP ranks "
-            "(attention TP inside a CP group is not supported yet)"
-        )
 
 
 class ContextParallel:

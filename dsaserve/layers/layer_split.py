@@ -21,18 +21,8 @@ from typing import Any
 
 import torch
 
-from dsaserve.args import ArgsError
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.layers.forward_batch import ForwardBatch
-
-
-def check_layer_split(args: Any) -> None:
-    on_cp = args.enable_prefill_cp and args.attn_cp_size > 1
-    if args.enable_dsa_cache_layer_split and not on_cp:
-        raise ArgsError(
-            "--enable-dsa-cache-layer-split splits the KV over the CP ranks: it needs "
-            "--attn-cp-size N --enable-prefill-cp --cp-strategy interleave"
-        )
 
 
 class LayerSplitCache:

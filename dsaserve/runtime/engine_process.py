@@ -18,21 +18,54 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import zmq
 
 from dsaserve.args import ServerArgs
+from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
+from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.rounds import Stopped
+from dsaserve.engine.startup import pick_device
 from dsaserve.runtime import ipc
+from dsaserve.runtime.ranks import LocalRanks, start_ranks
 
 IDLE_POLL_MS = 200
 DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon
 DP_QUIET_S = 1.0  # ... until every group has been idle this long; then it polls as usual
 
 
-def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -> None:
-    """Entry point of the spawned engine process."""
+@runtime_checkable
+class DrivenEngine(Protocol):
+    """What the engine process drives: `Engine`, a disaggregation role around one (PD), or a
+    test's double. Requests come in, outputs go out; nothing here parses JSON or text."""
+
+    model_config: Any  # its `vocab_size` (None where unknown) and `context_length`
+    context_length: int  # the longest prompt + output it serves
+    generation_defaults: dict  # the checkpoint's generation_config.json defaults
+
+    def add_request(self, request: GenerateRequest) -> None: ...  # ValueError: refused
+    def abort(self, rid: str) -> RequestOutput | None: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_work(self) -> bool: ...
+    def idle(self) -> bool: ...  # join other ranks' rounds while idle; True: another group busy
+    def stats(self) -> dict: ...
+    def flush_cache(self) -> bool: ...
+    def close(self, graceful: bool = True) -> None: ...
+
+
+Reject = Callable[[list[str], str, int], None]  # refuse requests: rids, message, HTTP status
+# Builds the engine of one attention group on its ranks; `reject` refuses requests later (PD).
+EngineFactory = Callable[[ServerArgs, ParallelState, Reject], DrivenEngine]
+
+
+def run_engine_process(
+    args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int, factory: EngineFactory
+) -> None:
+    """Entry point of the spawned engine process: start this node's other ranks (--tp > 1),
+    build what `factory` makes on them, and serve it until told to stop."""
     # The API process decides when we stop (after draining), also when a whole process group is
     # signalled; if the API process dies instead, the loop notices the new parent and exits.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -42,78 +75,66 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int) -
     inbox.connect(paths.to_engine)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(paths.from_engine)
+    ranks = None
     try:
-        engine = build_engine(args, paths=paths)
-        if args.disaggregation_mode != "null":
-            engine = _disaggregated(engine, args, outbox)
+        if ParallelSizes.from_args(args).tp > 1:
+            ranks = start_ranks(args, pick_device(args.device).type, paths, factory)
+        parallel = ranks.parallel if ranks is not None else ParallelState.single()
+        engine = factory(args, parallel, _rejecter(outbox))
     except Exception as e:  # report, do not hang the API process
         outbox.send(ipc.encode(ipc.Fatal(f"engine failed to start: {type(e).__name__}: {e}")))
         traceback.print_exc()
+        if ranks is not None:
+            ranks.kill()
         outbox.close(linger=2000)
         sys.exit(1)
-    serve_engine(engine, args, inbox, outbox, parent_pid)
+    serve_engine(engine, args, inbox, outbox, parent_pid, ranks=ranks)
 
 
-def serve_engine(engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent_pid: int) -> None:
+def _rejecter(outbox: Any) -> Reject:
+    def reject(rids: list[str], message: str, status: int) -> None:
+        outbox.send(ipc.encode(ipc.Rejected(rids, message, status=status)))
+
+    return reject
+
+
+def serve_engine(engine: DrivenEngine, args: ServerArgs, inbox: Any, outbox: Any, parent_pid: int,
+                 group: int = 0, ranks: LocalRanks | None = None) -> None:  # fmt: skip
+    """Serve `engine` until told to stop, then tear down: the engine's ranks leave their rounds
+    (after a failure they are ended instead), the ones this process started are stopped."""
     outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
-    code = EngineLoop(engine, args, inbox, outbox, parent_pid).run()
-    close = getattr(engine, "close", None)
-    if close is not None:
-        try:
-            close(graceful=code == 0)  # after a failure the other ranks are ended, not asked
-        except Exception:  # the other ranks are gone already
-            code = code or 1
+    code = EngineLoop(engine, args, inbox, outbox, parent_pid, group, ranks).run()
+    try:
+        engine.close(graceful=code == 0)
+    except Exception:  # the other ranks are gone already
+        code = code or 1
+    if ranks is not None:
+        ranks.stop(timeout=10.0 if code == 0 else 0.0)
     outbox.close(linger=2000)
     inbox.close(linger=0)
     sys.exit(code)
 
 
-def run_group_leader(args: ServerArgs, paths: ipc.IpcPaths, parallel: Any) -> int:
+def run_group_leader(
+    args: ServerArgs, paths: ipc.IpcPaths, parallel: ParallelState, factory: EngineFactory
+) -> int:
     """DP attention: the first rank of group g > 0 is an engine with its own request socket."""
-    from dsaserve.engine.engine import Engine
-
     parent = os.getppid()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(paths.for_group(parallel.dp_rank).to_engine)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(paths.from_engine)
-    engine = Engine(args, show_progress=False, parallel=parallel)
-    serve_engine(engine, args, inbox, outbox, parent)
+    engine = factory(args, parallel, _rejecter(outbox))
+    serve_engine(engine, args, inbox, outbox, parent, group=parallel.dp_rank)
     return 0
 
 
-def build_engine(args: ServerArgs, paths: ipc.IpcPaths | None = None) -> Any:
-    """The engine; `DSASERVE_TEST_ENGINE=scripted` / `DSASERVE_TEST_SCRIPTS` are test hooks."""
-    from dsaserve.server.scripted_engine import ScriptedEngine, load_scripts
-
-    scripts = load_scripts(os.environ.get("DSASERVE_TEST_SCRIPTS"))
-    if os.environ.get("DSASERVE_TEST_ENGINE") == "scripted":
-        return ScriptedEngine(args, scripts, real=None)
-    from dsaserve.engine.engine import Engine
-
-    engine = Engine(args, rank_extra=paths)
-    return ScriptedEngine(args, scripts, real=engine) if scripts else engine
-
-
-def _disaggregated(engine: Any, args: ServerArgs, outbox: Any) -> Any:
-    """The engine behind its prefill or decode role (KV moved to or from the other role)."""
-    from dsaserve.disaggregation.roles import wrap
-
-    def reject(rids: list[str], message: str, status: int) -> None:
-        outbox.send(ipc.encode(ipc.Rejected(rids, message, status=status)))
-
-    return wrap(engine, args, reject)
-
-
-def engine_info(engine: Any) -> dict:
-    config = getattr(engine, "model_config", None)
+def engine_info(engine: DrivenEngine) -> dict:
     return {
         "pid": os.getpid(),
-        "vocab_size": getattr(config, "vocab_size", None),
-        "context_length": int(
-            getattr(engine, "context_length", engine.model_config.context_length)
-        ),
+        "vocab_size": engine.model_config.vocab_size,
+        "context_length": int(engine.context_length),
         "generation_defaults": dict(engine.generation_defaults or {}),
         "stats": engine.stats(),
     }
@@ -122,7 +143,8 @@ def engine_info(engine: Any) -> dict:
 class EngineLoop:
     """Message handling and stepping; `run()` returns the process exit code."""
 
-    def __init__(self, engine: Any, args: ServerArgs, inbox: Any, outbox: Any, parent: int) -> None:
+    def __init__(self, engine: DrivenEngine, args: ServerArgs, inbox: Any, outbox: Any,
+                 parent: int, group: int = 0, ranks: LocalRanks | None = None) -> None:  # fmt: skip
         self.engine = engine
         self.args = args
         self.inbox = inbox
@@ -132,9 +154,8 @@ class EngineLoop:
         self.stopping = False
         self.pending: list[ipc.FromEngine] = []  # sent after the stats of the same iteration
         self.published: dict | None = None
-        self.idle = getattr(engine, "idle", None)  # rank heartbeat / other DP groups' ops
-        parallel = getattr(engine, "parallel", None)
-        self.group = getattr(parallel, "dp_rank", 0)  # the attention group whose stats these are
+        self.group = group  # the attention group whose stats these are
+        self.ranks = ranks  # the ranks this process started (ended by the watchdog)
         self.dp = args.dp_size if args.enable_dp_attention else 1
         self.others_busy = False
         self.last_busy = time.monotonic()
@@ -145,8 +166,6 @@ class EngineLoop:
         return IDLE_POLL_MS
 
     def run(self) -> int:
-        from dsaserve.engine.rounds import Stopped
-
         threading.Thread(target=self._watchdog, daemon=True).start()
         try:
             while not self.stopping and os.getppid() == self.parent:
@@ -157,8 +176,8 @@ class EngineLoop:
                 if self.engine.has_work() and not self.stopping:
                     self._step()
                     self._flush()
-                elif self.idle is not None and not self.stopping:
-                    self.others_busy = self.idle()
+                elif not self.stopping:  # rank heartbeat / other DP groups' ops
+                    self.others_busy = self.engine.idle()
             return 0
         except Stopped:  # another group's leader stopped every rank
             return 0
@@ -274,7 +293,6 @@ class EngineLoop:
             started = self.step_started
             if started is not None and time.monotonic() - started > self.args.watchdog_timeout:
                 print(f"watchdog: a step took over {self.args.watchdog_timeout}s", file=sys.stderr)
-                kill = getattr(self.engine, "kill_ranks", None)
-                if kill is not None:
-                    kill()
+                if self.ranks is not None:
+                    self.ranks.kill()
                 os._exit(3)

@@ -13,13 +13,8 @@ import time
 from typing import Any
 
 from dsaserve.distributed.parallel_state import ParallelSizes
-from dsaserve.runtime.ranks import (
-    RendezvousError,
-    endpoint,
-    kill_all,
-    spawn_ranks,
-    wait_reachable,
-)
+from dsaserve.distributed.rendezvous import RendezvousError, endpoint, wait_reachable
+from dsaserve.runtime.ranks import kill_all, spawn_ranks
 
 
 def serve_node(args: Any) -> int:

@@ -1,11 +1,12 @@
-"""A test hook: an engine that replays scripted outputs (for parser checks through HTTP).
+"""A test double: an engine that replays scripted outputs (for parser checks through HTTP).
 
 Random weights produce random text, so end-to-end parser tests ask for a script: a prompt that
 contains `[[script:KEY]]` gets the text of script KEY (the last such mark wins, so a conversation
 can change script turn by turn), a few characters per step, honouring stop strings and
-`max_tokens` (one step = one token). Other prompts go to the real engine, or, with no
-real engine (`DSASERVE_TEST_ENGINE=scripted`), produce filler words. Enabled only by the
-environment variables read in `engine_process.build_engine`; never used in normal serving.
+`max_tokens` (one step = one token). Other prompts go to the real engine, or, with no real engine,
+produce filler words. A test serves it with `python tests/scripted_serve.py` (server_harness.py's
+`running_server(..., scripts=...)`), which hands `ScriptedEngineFactory` to `dsaserve serve`'s
+engine process; the package knows nothing of it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.args import ServerArgs
+from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 
 SCRIPT_MARK = re.compile(r"\[\[script:([\w-]+)\]\]")
@@ -43,9 +45,26 @@ class _Script:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ScriptedEngineFactory:
+    """The engine process's EngineFactory (runtime/engine_process.py): the scripts of
+    `scripts_path` in front of the real engine, or (`real=False`) alone. Picklable, for the
+    spawn."""
+
+    scripts_path: str | None
+    real: bool = True
+
+    def __call__(self, args: ServerArgs, parallel: ParallelState, reject: Any) -> ScriptedEngine:
+        from dsaserve.engine.engine import Engine
+
+        real = Engine(args, parallel) if self.real else None
+        return ScriptedEngine(args, load_scripts(self.scripts_path), real)
+
+
 class _StandaloneConfig:
     def __init__(self, context_length: int) -> None:
         self.context_length = context_length
+        self.vocab_size = None
 
 
 class ScriptedEngine:
@@ -151,3 +170,10 @@ class ScriptedEngine:
 
     def flush_cache(self) -> bool:
         return self.real.flush_cache() if self.real is not None else not self.active
+
+    def idle(self) -> bool:
+        return self.real.idle() if self.real is not None else False
+
+    def close(self, graceful: bool = True) -> None:
+        if self.real is not None:
+            self.real.close(graceful)
