@@ -95,8 +95,10 @@ def _local_nodes(tree: ast.AST) -> set[int]:
 
 
 def _is_lazy(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and bool(
-        LAZY.match(node.value)
+    return (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and bool(LAZY.match(node.value))
     )
 
 
@@ -203,22 +205,26 @@ def unit_graph(found: list[Edge]) -> dict[str, set[str]]:
 
 def _label(name: str) -> str:
     if name == "__init__":
-        return "dsaserve/__init__"
+        return "dsaserve/__init__.py"
     return name + ("/" if (ROOT / "dsaserve" / name).is_dir() else ".py")
 
 
 def picture(found: list[Edge]) -> str:
-    """Each floor, top first; under each unit, the units it imports, by floor."""
+    """Each floor, top first, and under it each of its units with the units it imports, grouped
+    by their floor (`5 engine/`: engine/ is on floor 5)."""
     graph = unit_graph(found)
     lines = []
     for level in sorted(FLOORS, reverse=True):
-        present = [u for u in FLOORS[level] if u in graph or any(u in t for t in graph.values())]
-        for name in present:
-            imports = sorted(graph.get(name, ()), key=lambda u: (-FLOOR_OF.get(u, 0), u))
-            targets = " ".join(f"{FLOOR_OF.get(u, '?')}:{_label(u)}" for u in imports) or "-"
-            lines.append(f"{level}  {_label(name):<24} -> {targets}")
-        lines.append("")
-    return "\n".join(lines).rstrip() + "\n"
+        lines.append(f"floor {level}: " + "  ".join(_label(u) for u in FLOORS[level]))
+        for name in FLOORS[level]:
+            by_floor = defaultdict(list)
+            for target in graph.get(name, ()):
+                by_floor[FLOOR_OF[target]].append(_label(target))
+            groups = [
+                f"{f} " + " ".join(sorted(by_floor[f])) for f in sorted(by_floor, reverse=True)
+            ]
+            lines.append(f"    {_label(name):<22} -> " + (" | ".join(groups) or "(nothing)"))
+    return "\n".join(lines) + "\n"
 
 
 def documented_picture() -> str | None:
