@@ -37,7 +37,7 @@ class DecodeStep:
               native: bool = True) -> DecodeStep | None:  # fmt: skip
         """The decode step of `model`, or None (layered model for every step) when disabled or
         when the weights are not plain same-dtype linears (e.g. FP8). `native`: run the layers
-        in the C++ extension (kernels/cpu_decode.py) where it builds; compiling takes the
+        in the C++ extension (layers/cpu_decode.py) where it builds; compiling takes the
         Python path (torch.compile traces Python)."""
         fused = FusedDecode.build(model, native=native and not compiled) if enabled else None
         if fused is None:

@@ -1,4 +1,4 @@
-"""Byte sizes of the FP8 KV layouts (engine/kv_quant.py), torch-free for the deploy planner."""
+"""Byte sizes of the FP8 KV layouts (kernels/kv_quant.py), torch-free for the deploy planner."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def indexer_scores(
 
 def indexer_decode_topk(q, weights, cache, slots, valid, k: int) -> torch.Tensor:
     """Top-k positions [B, k] (into slots' columns, earlier wins ties) of the decode rows: the
-    scores of `indexer_scores`, key tile by key tile (layers/indexer_scan.py)."""
+    scores of `indexer_scores`, key tile by key tile (kernels/indexer_scan.py)."""
     return topk_earliest(decode_scores(q, weights, cache, slots, valid), k)
 
 

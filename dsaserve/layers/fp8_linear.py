@@ -5,7 +5,7 @@ block-FP8 checkpoint (fp8.QUANTIZED_WEIGHT_RE) are swapped for `Fp8Linear` befor
 loader copies `W8` and `W8_scale_inv` as they are (half the bytes of bf16) and every forward is the
 `fp8_gemm` op. `kv_b_proj` stays dequantised (the absorbed form reads its weight as W_UK / W_UV,
 as SGLang's w_kc / w_vc); the routed experts are kept FP8 separately, by the `moe` op's backend
-(kernels/fp8_experts.py).
+(layers/fp8_experts.py).
 
 Under tensor parallelism a column-parallel Linear keeps its rows of `W8` and of the scale grid, a
 row-parallel one its columns (and its all-reduce, and its bias on part 0): both carry the same

@@ -1,9 +1,9 @@
 """Which block-FP8 weights a rank keeps FP8, and the per-rank report of what it holds.
 
-Every rank (the leader's engine and each follower, dsaserve/distributed/follower.py) calls
+Every rank (the leader's engine and each follower, both through engine/shard.py) calls
 `keep_fp8_weights` on its meta model before loading, so each keeps its own slice FP8:
-quantised Linears when a fast `fp8_gemm` runs (kernels/fp8_linear.py), routed experts when the
-`moe` op consumes FP8 (kernels/fp8_experts.py). After loading, `rank_reports` gathers from every
+quantised Linears when a fast `fp8_gemm` runs (layers/fp8_linear.py), routed experts when the
+`moe` op consumes FP8 (layers/fp8_experts.py). After loading, `rank_reports` gathers from every
 rank what it kept: counts, routed-expert bytes and, per kept tensor, its dtype, shape and a
 position-weighted checksum of its bytes (engine stats `fp8_ranks`; the test compares it with the
 checkpoint's block slices).
