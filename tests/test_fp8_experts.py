@@ -1,4 +1,4 @@
-"""Routed experts kept block-FP8 at load (kernels/fp8_experts.py) and run by the Triton `moe` op.
+"""Routed experts kept block-FP8 at load (layers/fp8_experts.py) and run by the Triton `moe` op.
 
 On CPU the op runs under the interpreter (`--moe-runner-backend triton`); the torch backend
 still dequantises. The twin of every check is the same FP8 checkpoint served dequantised.

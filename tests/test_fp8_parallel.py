@@ -1,4 +1,4 @@
-"""Block-FP8 weights kept FP8 on every rank under tensor parallelism (kernels/fp8_keep.py).
+"""Block-FP8 weights kept FP8 on every rank under tensor parallelism (models/fp8_keep.py).
 
 A tiny random GLM checkpoint quantised to 128x128 blocks, dims chosen so that every tp 2 slice
 falls on block boundaries (dense / shared / expert intermediate 256; q_b_proj and o_proj 4 heads

@@ -3,7 +3,7 @@
 One program scores BLOCK_L candidate entries of one decode row for every indexer head:
 S[h, l] = q[h] . k[l] as one fp32 `tl.dot` (heads padded to 16 by masking), then
 I[l] = sum_h w[h] * ReLU(S[h, l]). Keys are read through the row's slot table from a float
-cache or the FP8 layout (e4m3 bytes + a per-token fp32 scale, engine/kv_quant.py). The top-k is
+cache or the FP8 layout (e4m3 bytes + a per-token fp32 scale, kernels/kv_quant.py). The top-k is
 `topk_earliest` over these scores, so equal scores keep the earlier position, exactly as the
 reference does (docs/determinism.md). The dot is IEEE fp32 (no TF32 on GPU): the selection should
 be the reference's, not merely close to it.

@@ -50,7 +50,7 @@ class Layout(NamedTuple):
 
 def masked_layout(index: torch.Tensor, num_experts: int, block_m: int = 16) -> Layout:
     """Per expert, its assignment ids padded to T (a multiple of block_m): no host sync.
-    Negative ids (another rank's experts, kernels/fp8_experts.py) are left out."""
+    Negative ids (another rank's experts, layers/fp8_experts.py) are left out."""
     tokens, top_k = index.shape
     flat = index.reshape(-1)
     mine = flat >= 0

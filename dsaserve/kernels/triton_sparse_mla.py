@@ -9,7 +9,7 @@ output, and leaves its unnormalised partial output with its running max and deno
 tensor ops merge the splits (flash-decoding). The splits keep a batch-1 step with 8 heads a rank
 from running on one SM: about TARGET_PROGRAMS programs, each over at least BLOCK_N entries.
 Entries are read through the slot table from a float cache or FlashMLA's FP8 layout (e4m3 latent
-with one fp32 scale per 128 values, then the bf16 rope; engine/kv_quant.py). Slots of disallowed
+with one fp32 scale per 128 values, then the bf16 rope; kernels/kv_quant.py). Slots of disallowed
 entries are never used, so -1 (FlashMLA's invalid index) or padding is fine there.
 """
 

@@ -1,4 +1,4 @@
-"""The native CPU decode layers (cpu_decode.cpp): built once per machine, used by FusedDecode.
+"""The native CPU decode layers (kernels/cpu_decode.cpp): built once per machine, for FusedDecode.
 
 `DecodeLayers` runs every decoder layer of an all-decode fp32 batch in one C++ call (the same
 math as dsaserve/layers/fused.py, which stays the reference and the fallback). The extension is

@@ -65,7 +65,7 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
     experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
     if ffn is None or (experts is not None and experts.down_proj.dtype != torch.float32):
-        return None  # FP8 experts (kernels/fp8_experts.py) run the `moe` op, layered
+        return None  # FP8 experts (layers/fp8_experts.py) run the `moe` op, layered
     into = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
     from_q = [attn.q_b_proj]
     if attn.indexer is not None:
@@ -143,7 +143,7 @@ class FusedDecode:
         self.model = model
         self.weights = weights
         self.indexer_interleave = model.config.indexer_rope_interleave
-        self.native = native  # kernels/cpu_decode.py's DecodeLayers, or None: the Python layers
+        self.native = native  # layers/cpu_decode.py's DecodeLayers, or None: the Python layers
 
     @classmethod
     def build(cls, model: nn.Module, native: bool = False) -> FusedDecode | None:
