@@ -63,6 +63,9 @@ class RoleEngine:
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
 
+    def idle(self) -> bool:
+        return self.engine.idle()  # one rank: nothing to join
+
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters, "pd_role": self.role,
                 "pd_rooms_active": self.active_rooms(),
