@@ -18,9 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripted_engine import ScriptedEngine
 from tiny_models import make_checkpoint
 
 from dsaserve.args import ServerArgs
+from dsaserve.disaggregation.decode import DecodeEngine
+from dsaserve.disaggregation.prefill import PrefillEngine
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine import engine as engine_module
 from dsaserve.engine import shard as shard_module
@@ -78,6 +81,18 @@ def test_engine_is_built_and_stepped_on_one_rank_without_processes(checkpoint: P
     assert engine.idle() is False  # one rank: nobody else's rounds to join
     engine.close()
     assert children() == before and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("driven", [PrefillEngine, DecodeEngine, ScriptedEngine])
+def test_every_engine_the_process_drives_has_the_protocols_calls(driven: type):
+    """The engine process calls each of these on whatever its factory built (no getattr)."""
+    calls = [name for name, value in vars(DrivenEngine).items() if callable(value)]
+    calls = [name for name in calls if not name.startswith("_")]
+    assert {"step", "idle", "close", "add_request"} <= set(calls)
+    assert [name for name in calls if not callable(getattr(driven, name, None))] == []
+    if driven is not ScriptedEngine:  # the PD roles answer these from their engine
+        assert all(isinstance(getattr(driven, name), property) for name in
+                   ("model_config", "context_length", "generation_defaults"))  # fmt: skip
 
 
 def test_engine_refuses_several_ranks_without_their_state(checkpoint: Path):
