@@ -28,6 +28,8 @@ from dsaserve.models.loader import load_checkpoint
 
 @dataclass
 class Shard:
+    """What `build_shard` gives a rank: the choices it made and what it loaded."""
+
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype  # the compute dtype
