@@ -79,7 +79,7 @@ def check_layout(
 
 
 def check_speculative_model(args: ServerArgs, config: ModelConfig | None) -> None:
-    if config is None or speculative_settings(args) is None:
+    if config is None or args.speculative_algorithm is None:
         return
     if config.num_nextn_predict_layers < 1:
         raise ArgsError(
