@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator
 
 from dsaserve.server.fields import (
     MAX_MESSAGES,
@@ -41,6 +41,17 @@ class Part(Strict):
     refusal: str | None = None
 
 
+def _text_or_list(value: Any) -> str:
+    return "str" if isinstance(value, str) else "list"
+
+
+def text_or(items: Any) -> Any:
+    """A string or a list of `items`: only the branch the value's JSON type picks is checked, so
+    an error names the bad item (`input[2].role`), not "input: should be a string" as well."""
+    return Annotated[Annotated[str, Tag("str")] | Annotated[items, Tag("list")],
+                     Discriminator(_text_or_list)]  # fmt: skip
+
+
 Parts = bounded_list(Part, MAX_PARTS)
 
 
@@ -49,12 +60,12 @@ class InputItem(Strict):
 
     type: Name | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
-    content: str | Parts | None = None  # a message's parts, or a reasoning item's reasoning_text
+    content: text_or(Parts) | None = None  # a message's parts, or reasoning_text parts
     summary: Parts | None = None  # reasoning
     call_id: Name | None = None  # function_call, function_call_output
     name: Name | None = None  # function_call
     arguments: str | None = None  # function_call: JSON text
-    output: str | Parts | None = None  # function_call_output
+    output: text_or(Parts) | None = None  # function_call_output
 
 
 class ResponsesTool(Strict):
@@ -105,7 +116,7 @@ class ReasoningConfig(Strict):
 
 class ResponsesRequest(Strict):
     model: str | None = None
-    input: str | bounded_list(InputItem, MAX_MESSAGES) | None = None
+    input: text_or(bounded_list(InputItem, MAX_MESSAGES)) | None = None
     instructions: str | None = None
     previous_response_id: Name | None = None
     store: Bool = False  # stateless unless asked (OpenAI's default is true)
