@@ -89,7 +89,8 @@ def stream_events(client: openai.OpenAI, **kwargs) -> list:
 
 
 def test_stream_event_sequence_ids_and_deltas(client: openai.OpenAI):
-    kwargs = {"model": "m", "input": ask("weather"), "tools": TOOLS, "reasoning": {"summary": "auto"}}
+    kwargs = {"model": "m", "input": ask("weather"), "tools": TOOLS,
+              "reasoning": {"summary": "auto"}}  # fmt: skip
     events = stream_events(client, **kwargs)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     kinds = [e.type for e in events]
@@ -101,7 +102,8 @@ def test_stream_event_sequence_ids_and_deltas(client: openai.OpenAI):
     for index, item in enumerate(final.output):
         mine = [e for e in events if getattr(e, "output_index", None) == index]
         added, done = mine[0], mine[-1]
-        assert (added.type, done.type) == ("response.output_item.added", "response.output_item.done")
+        assert added.type == "response.output_item.added"
+        assert done.type == "response.output_item.done"
         assert added.item.id == done.item.id == item.id and added.item.status == "in_progress"
         assert done.item.model_dump() == item.model_dump()
         assert all(e.item_id == item.id for e in mine[1:-1])
@@ -127,17 +129,17 @@ def test_stream_event_sequence_ids_and_deltas(client: openai.OpenAI):
 
 def test_previous_response_id_store_get_delete(client: openai.OpenAI):
     first = client.responses.create(model="m", input=ask("weather"), tools=TOOLS, store=True,
-                                    instructions="Be brief.", metadata={"case": "store"})
+                                    instructions="Brief.", metadata={"case": "store"})  # fmt: skip
     assert first.store is True and first.metadata == {"case": "store"}
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
     call = first.output[-1]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
     second = client.responses.create(model="m", previous_response_id=first.id, store=True,
-                                     input=[result, *ask("answer")], tools=TOOLS)
+                                     input=[result, *ask("answer")], tools=TOOLS)  # fmt: skip
     assert second.previous_response_id == first.id and second.output_text == "The answer is 42."
     # the stored turn is rendered as if resent (instructions are not carried over, as OpenAI)
-    resent = client.responses.create(model="m", tools=TOOLS,
-                                     input=[*ask("weather"), *dumps(first), result, *ask("answer")])
+    resent = [*ask("weather"), *dumps(first), result, *ask("answer")]
+    resent = client.responses.create(model="m", tools=TOOLS, input=resent)
     assert resent.usage.input_tokens == second.usage.input_tokens
     third = stream_events(client, model="m", previous_response_id=second.id, store=True,
                           input="go on [[script:nothink]]")[-1].response  # fmt: skip

@@ -29,6 +29,7 @@ from default_model_data import TIME_TOOL, WEATHER_TOOL  # noqa: E402  (the schem
 WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 TIME = {"type": "function", **TIME_TOOL["function"]}
 PARIS = "What's the weather in Paris?"
+PARIS_ARGS = {"city": "Paris"}
 RESULT = {"city": "Paris", "temperature": 18, "unit": "celsius", "condition": "sunny"}
 CODEX = Path(__file__).resolve().parents[1] / ".ci" / "node" / "node_modules" / ".bin" / "codex"
 CODEX_CONFIG = """\
@@ -63,8 +64,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     config = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
+    # Codex's first prompt is ~14k tokens: room for it, and both of CI's cores for its prefill
     flags = ["--served-model-name", "default", "--max-total-tokens", "32768", "--enable-metrics",
-             "--threads", "2"]  # Codex's first prompt is ~14k tokens: CI has 2 cores
+             "--threads", "2"]  # fmt: skip
     with running_server(folder, *flags) as server:
         yield server
 
@@ -77,7 +79,7 @@ def client(server: Server) -> openai.OpenAI:
 def test_weather_call_and_an_answer_that_uses_its_result(client: openai.OpenAI):
     first = client.responses.create(model="default", input=PARIS, tools=[WEATHER])
     calls = [o for o in first.output if o.type == "function_call"]
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", PARIS_ARGS)]
     assert first.output[0].type == "reasoning" and "get_weather" in first.output[0].content[0].text
     result = {"type": "function_call_output", "call_id": calls[0].call_id,
               "output": json.dumps(RESULT)}  # fmt: skip
@@ -95,12 +97,13 @@ def test_tool_choice_required_and_named_through_the_grammar(client: openai.OpenA
     for choice in ("required", {"type": "function", "name": "get_weather"}):
         forced = client.responses.create(model="default", input=PARIS, tools=[WEATHER, TIME],
                                          tool_choice=choice)  # fmt: skip
-        calls = [(o.name, json.loads(o.arguments)) for o in forced.output if o.type == "function_call"]
-        assert calls == [("get_weather", {"city": "Paris"})], forced.output
+        calls = [(o.name, json.loads(o.arguments)) for o in forced.output
+                 if o.type == "function_call"]  # fmt: skip
+        assert calls == [("get_weather", PARIS_ARGS)], forced.output
         assert forced.output[0].content == free.output[0].content  # thinking stays free
+    get_time = {"type": "function", "name": "get_time"}
     named = client.responses.create(model="default", input="What is 15% of 240?",
-                                    tools=[WEATHER, TIME], tool_choice={"type": "function",
-                                                                        "name": "get_time"})  # fmt: skip
+                                    tools=[WEATHER, TIME], tool_choice=get_time)  # fmt: skip
     call = next(o for o in named.output if o.type == "function_call")
     assert call.name == "get_time"
     jsonschema.validate(json.loads(call.arguments), TIME["parameters"])
@@ -165,7 +168,8 @@ def run_codex(codex: str, home: Path, work: Path, *args: str) -> tuple[str, str]
     )  # fmt: skip
     printed = done.stdout + done.stderr
     assert done.returncode == 0, printed
-    assert not [line for line in printed.splitlines() if re.search(r"\berror\b", line, re.I)], printed
+    errors = [line for line in printed.splitlines() if re.search(r"\berror\b", line, re.I)]
+    assert not errors, printed
     return printed, last.read_text()
 
 
@@ -191,4 +195,5 @@ def test_codex_exec_answers_then_continues_its_session(server: Server, tmp_path:
 
 def metric(server: Server, name: str) -> float:
     text = httpx.get(server.url + "/metrics").text
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+    samples = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return sum(float(value) for value in samples)
