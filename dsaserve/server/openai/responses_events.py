@@ -51,8 +51,8 @@ class OutputItems:
                 out.append(self._delta(event.text))
             elif isinstance(event, ToolCallStart):
                 out += self.close() + self._open("function_call", event)
-            elif isinstance(event, ToolCallArgs) and self.open is not None:
-                out.append(self._delta(event.fragment))
+            elif isinstance(event, ToolCallArgs) and self._open_call():
+                out.append(self._delta(event.fragment))  # a call's arguments follow its start
         return out
 
     def close(self, status: str = "completed") -> list[dict]:
@@ -75,6 +75,9 @@ class OutputItems:
                        "item": item}]  # fmt: skip
 
     # ---- the open item
+    def _open_call(self) -> bool:
+        return self.open is not None and self.open["type"] == "function_call"
+
     def _open(self, kind: str, call: ToolCallStart | None = None) -> list[dict]:
         item: dict[str, Any] = {"id": new_id(PREFIX[kind]), "type": kind, "status": "in_progress"}
         if kind == "reasoning":

@@ -169,7 +169,7 @@ async def _stream(state: ServerState, turn: Turn, primed: list) -> AsyncIterator
     except APIError as e:
         closing = turn.items.close("incomplete")
         error = {"code": _error_code(e), "message": e.message}
-        response = _response(state, turn, "failed", error=error)
+        response = _response(state, turn, "failed", error=error, usage=_usage(state, turn))
     for event in closing:
         yield events.frame(event)
     yield events.frame({"type": TERMINAL[response["status"]], "response": response})
@@ -179,7 +179,7 @@ def _finish(state: ServerState, turn: Turn) -> tuple[dict, list[dict]]:
     """The final response (stored if asked) and the events that close its last item."""
     reason = turn.choice.finish_reason
     status = {"length": "incomplete", "abort": "failed"}.get(reason, "completed")
-    closing = turn.items.close("incomplete" if status == "incomplete" else "completed")
+    closing = turn.items.close("completed" if status == "completed" else "incomplete")
     extra: dict[str, Any] = {"usage": _usage(state, turn)}
     if status == "incomplete":
         extra["incomplete_details"] = {"reason": "max_output_tokens"}
