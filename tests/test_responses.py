@@ -82,6 +82,9 @@ def test_tool_call_and_its_round_trip_render_as_chat_does(client: openai.OpenAI)
     assert chat.usage.prompt_tokens == second.usage.input_tokens  # the same prompt
     without = client.responses.create(model="m", input=[*turn[:-2], *ask("answer")], tools=TOOLS)
     assert without.usage.input_tokens < second.usage.input_tokens  # the output was rendered
+    none = client.responses.create(model="m", input=ask("weather"), tools=TOOLS, tool_choice="none")
+    assert [o.type for o in none.output] == ["reasoning", "message"]
+    assert none.output_text == "Let me check."  # no call, and no markup in the text
 
 
 def stream_events(client: openai.OpenAI, **kwargs) -> list:

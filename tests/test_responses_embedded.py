@@ -120,6 +120,23 @@ def test_text_format_json_schema_answer_validates(client: openai.OpenAI):
     assert r.text.format.type == "json_schema"
 
 
+def test_reasoning_effort_reaches_the_template(client: openai.OpenAI):
+    question = "What is 15% of 240?"
+    plain = client.responses.create(model="default", input=question, max_output_tokens=1)
+    for effort in ("high", "none"):
+        r = client.responses.create(model="default", input=question, max_output_tokens=1,
+                                    reasoning={"effort": effort})  # fmt: skip
+        messages = [{"role": "user", "content": question}]
+        chat = client.chat.completions.create(model="default", max_tokens=1, messages=messages,
+                                              reasoning_effort=effort)  # fmt: skip
+        assert r.usage.input_tokens == chat.usage.prompt_tokens  # the same prompt as chat's
+        assert r.reasoning.effort == effort
+        if effort == "high":  # the template's "Reasoning Effort: High" line
+            assert r.usage.input_tokens > plain.usage.input_tokens
+    off = client.responses.create(model="default", input=question, reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"] and "36" in off.output_text
+
+
 def test_agents_sdk_runs_an_agent_with_one_function_tool(server: Server):
     agents.set_tracing_disabled(True)  # no trace export to api.openai.com
     asked: list[str] = []
