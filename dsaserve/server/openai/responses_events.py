@@ -20,11 +20,37 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 from dsaserve.server.parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallStart
 
 PREFIX = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+class TextKind(NamedTuple):
+    """How one kind of text item streams: its delta/done events, its part and where it goes."""
+
+    event: str  # `<event>.delta`, `<event>.done`
+    part_event: str  # `<part_event>.added`, `<part_event>.done`
+    part: dict  # the empty part
+    parts: str  # the item's list the part goes in
+    index: str  # `content_index` or `summary_index`
+    extra: dict  # more fields of the delta and done events
+
+
+MESSAGE = TextKind(
+    "response.output_text", "response.content_part",
+    {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+    parts="content", index="content_index", extra={"logprobs": []},
+)  # fmt: skip
+SUMMARY = TextKind(
+    "response.reasoning_summary_text", "response.reasoning_summary_part",
+    {"type": "summary_text", "text": ""}, parts="summary", index="summary_index", extra={},
+)  # fmt: skip
+REASONING = TextKind(
+    "response.reasoning_text", "response.content_part",
+    {"type": "reasoning_text", "text": ""}, parts="content", index="content_index", extra={},
+)  # fmt: skip
 
 
 def new_id(prefix: str) -> str:
@@ -35,7 +61,7 @@ class OutputItems:
     """The output items of one response, built from its choice's parser events."""
 
     def __init__(self, summary: bool) -> None:
-        self.summary = summary  # reasoning as summary text (asked for), else as content
+        self.reasoning = SUMMARY if summary else REASONING  # summary text if asked, else content
         self.items: list[dict] = []
         self.open: dict | None = None  # the item still being written
         self.text = ""  # the open item's text so far
@@ -51,7 +77,7 @@ class OutputItems:
                 out.append(self._delta(event.text))
             elif isinstance(event, ToolCallStart):
                 out += self.close() + self._open("function_call", event)
-            elif isinstance(event, ToolCallArgs) and self._open_call():
+            elif isinstance(event, ToolCallArgs) and self._text_kind(self.open) is None:
                 out.append(self._delta(event.fragment))  # a call's arguments follow its start
         return out
 
@@ -60,28 +86,31 @@ class OutputItems:
         item = self.open
         if item is None:
             return []
-        self.open, text = None, self.text
+        self.open, text, kind = None, self.text, self._text_kind(item)
         item["status"] = status
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        if item["type"] == "function_call":
+        if kind is None:
             item["arguments"] = text
             out = [{"type": "response.function_call_arguments.done", **where, "arguments": text}]
         else:
-            part, out = self._part(item["type"], text), self._text_done(item, where, text)
-            out.append({"type": self._part_event(item, "done"), **where, **self._part_index(item),
-                        "part": part})  # fmt: skip
-            self._parts(item).append(part)
-        return out + [{"type": "response.output_item.done", "output_index": where["output_index"],
-                       "item": item}]  # fmt: skip
+            part = kind.part | {"text": text}
+            item[kind.parts].append(part)
+            text_done = {"type": f"{kind.event}.done", **where, kind.index: 0, "text": text}
+            part_done = {"type": f"{kind.part_event}.done", **where, kind.index: 0, "part": part}
+            out = [text_done | kind.extra, part_done]
+        done = {"type": "response.output_item.done", "output_index": where["output_index"]}
+        return out + [done | {"item": item}]
 
-    # ---- the open item
-    def _open_call(self) -> bool:
-        return self.open is not None and self.open["type"] == "function_call"
+    def _text_kind(self, item: dict | None) -> TextKind | None:
+        """The open text item's kind (None for a function call, or nothing open)."""
+        if item is None or item["type"] == "function_call":
+            return None
+        return MESSAGE if item["type"] == "message" else self.reasoning
 
     def _open(self, kind: str, call: ToolCallStart | None = None) -> list[dict]:
         item: dict[str, Any] = {"id": new_id(PREFIX[kind]), "type": kind, "status": "in_progress"}
         if kind == "reasoning":
-            item |= {"summary": []} if self.summary else {"summary": [], "content": []}
+            item |= {"summary": []} if self.reasoning is SUMMARY else {"summary": [], "content": []}
         elif kind == "message":
             item |= {"role": "assistant", "content": []}
         else:
@@ -90,51 +119,19 @@ class OutputItems:
         self.open, self.text = item, ""
         where = {"output_index": len(self.items) - 1}
         out = [{"type": "response.output_item.added", **where, "item": _snapshot(item)}]
-        if kind != "function_call":
-            out.append({"type": self._part_event(item, "added"), "item_id": item["id"], **where,
-                        **self._part_index(item), "part": self._part(kind, "")})  # fmt: skip
+        text = self._text_kind(item)
+        if text is not None:
+            out.append({"type": f"{text.part_event}.added", "item_id": item["id"], **where,
+                        text.index: 0, "part": dict(text.part)})  # fmt: skip
         return out
 
     def _delta(self, text: str) -> dict:
-        item = self.open
+        item, kind = self.open, self._text_kind(self.open)
         self.text += text
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        if item["type"] == "function_call":
+        if kind is None:
             return {"type": "response.function_call_arguments.delta", **where, "delta": text}
-        if item["type"] == "message":
-            return {"type": "response.output_text.delta", **where, "content_index": 0,
-                    "delta": text, "logprobs": []}  # fmt: skip
-        if self.summary:
-            return {"type": "response.reasoning_summary_text.delta", **where, "summary_index": 0,
-                    "delta": text}  # fmt: skip
-        return {"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text}
-
-    def _text_done(self, item: dict, where: dict, text: str) -> list[dict]:
-        if item["type"] == "message":
-            return [{"type": "response.output_text.done", **where, "content_index": 0,
-                     "text": text, "logprobs": []}]  # fmt: skip
-        if self.summary:
-            return [{"type": "response.reasoning_summary_text.done", **where, "summary_index": 0,
-                     "text": text}]  # fmt: skip
-        return [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": text}]
-
-    def _part(self, kind: str, text: str) -> dict:
-        if kind == "message":
-            return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return {"type": "summary_text" if self.summary else "reasoning_text", "text": text}
-
-    def _parts(self, item: dict) -> list:
-        return item["summary"] if item["type"] == "reasoning" and self.summary else item["content"]
-
-    def _part_event(self, item: dict, stage: str) -> str:
-        if item["type"] == "reasoning" and self.summary:
-            return f"response.reasoning_summary_part.{stage}"
-        return f"response.content_part.{stage}"
-
-    def _part_index(self, item: dict) -> dict:
-        if item["type"] == "reasoning" and self.summary:
-            return {"summary_index": 0}
-        return {"content_index": 0}
+        return {"type": f"{kind.event}.delta", **where, kind.index: 0, "delta": text, **kind.extra}
 
 
 def _snapshot(item: dict) -> dict:
