@@ -266,6 +266,15 @@ def test_errors_use_the_responses_shape_and_name_the_field(main_server: Server, 
         assert error["code"] == "context_length_exceeded"
 
 
+def test_a_body_with_thousands_of_bad_items_gets_a_small_error(main_server: Server):
+    """vllm#49239: a malformed /v1/responses request of a few kB got a ~114 MB 400 (one error per
+    bad item, each echoing the input)."""
+    bad = [{"role": "robot", "content": [{"type": "input_text", "text": 7}]}] * 5000
+    r = httpx.post(main_server.base + "/responses", json={"model": "m", "input": bad}, timeout=60)
+    error = assert_responses_error(r, 400, "input[0].role")
+    assert "and" in error["message"] and "more" in error["message"]  # counted, not listed
+
+
 def test_not_found_wrong_method_and_bad_json_use_the_responses_shape(
     main_server: Server, client: openai.OpenAI
 ):
