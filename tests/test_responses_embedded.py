@@ -190,6 +190,7 @@ def run_codex(codex: str, home: Path, work: Path, *args: str) -> tuple[str, str]
     return printed, last.read_text()
 
 
+@pytest.mark.timeout(1500)  # a loaded 2-core machine: the first prefill alone took 259 s once
 def test_codex_exec_answers_then_continues_its_session(server: Server, tmp_path: Path):
     codex = codex_binary()
     home, work = tmp_path / "codex_home", tmp_path / "work"
