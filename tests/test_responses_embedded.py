@@ -64,9 +64,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     config = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
-    # Codex's first prompt is ~14k tokens: room for it, and both of CI's cores for its prefill
-    flags = ["--served-model-name", "default", "--max-total-tokens", "32768", "--enable-metrics",
-             "--threads", "2"]  # fmt: skip
+    # room for Codex's first prompt (~14k tokens); one engine thread, as on the other test servers
+    # (two threads on a loaded 2-core machine spent 5x the CPU time on that prefill)
+    flags = ["--served-model-name", "default", "--max-total-tokens", "32768", "--enable-metrics"]
     with running_server(folder, *flags) as server:
         yield server
 
