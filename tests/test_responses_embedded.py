@@ -65,7 +65,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (folder / "generation_config.json").unlink()
     (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
     # room for Codex's first prompt (~14k tokens); one engine thread, as on the other test servers
-    # (two threads on a loaded 2-core machine spent 5x the CPU time on that prefill)
+    # (two threads on a loaded 2-core machine spent many times the CPU time on that prefill)
     flags = ["--served-model-name", "default", "--max-total-tokens", "32768", "--enable-metrics"]
     with running_server(folder, *flags) as server:
         yield server
