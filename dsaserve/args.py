@@ -66,6 +66,7 @@ class ServerArgs:
     max_request_bytes: int = 32 * 1024 * 1024
     max_n: int = 64
     max_sequences_per_request: int = 256
+    responses_store_size: int = 1024
     header_timeout: float = 10.0
     # memory and scheduling
     mem_fraction_static: float | None = None
@@ -172,6 +173,8 @@ def _check(args: ServerArgs) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.responses_store_size < 0:
+        raise ArgsError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     if not args.header_timeout > 0:
         raise ArgsError(f"--header-timeout must be > 0, got {args.header_timeout}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
@@ -307,6 +310,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--max-request-bytes", type=int)
     f("--max-n", type=int, help="most choices (n) one request may ask for")
     f("--max-sequences-per-request", type=int, help="most prompts x n of one request")
+    f("--responses-store-size", type=int, help="most /v1/responses kept for store: true (LRU; "
+      "0: none)")  # fmt: skip
     f("--header-timeout", type=float, help="seconds a client has to send its request headers")
     f("--mem-fraction-static", type=float)
     f("--max-total-tokens", type=int)

@@ -31,6 +31,8 @@ SCRIPTS = {
     "typed": {"text": "</think><tool_call>lookup<arg_key>order_id</arg_key><arg_value>12345"
               "</arg_value><arg_key>count</arg_key><arg_value>7</arg_value><arg_key>express"
               "</arg_key><arg_value>true</arg_value></tool_call>", "chunk": 1},
+    "long": {"text": "</think>" + " ".join(f"w{i}" for i in range(3000)), "chunk": 2,
+             "delay": 0.005},  # runs for a minute unless the client goes away
 }  # fmt: skip
 MAX_REQUEST_BYTES = 200_000
 

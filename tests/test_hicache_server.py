@@ -5,6 +5,7 @@ server serves a prefix from the storage tier."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import anthropic
@@ -84,6 +85,10 @@ def test_claude_code_prefix_restart_and_reporting(server_checkpoint: Path, tmp_p
         assert (
             "sglang:hicache_transfer_bytes" in metrics and "sglang:hicache_load_seconds" in metrics
         )
+        by_source = dict(re.findall(r'sglang:cached_tokens_total\{[^}]*cache_source="(\w+)"'
+                                    r"[^}]*\} (\S+)", metrics))  # fmt: skip
+        assert float(by_source["storage_file"]) >= 192  # SGLang's label: storage_<backend>
+        assert float(by_source["device"]) > 0 and "host" in by_source
     with running_server(server_checkpoint, *hicache_flags(store)) as restarted:
         again = httpx.post(restarted.url + "/generate", json=body, timeout=60).json()
         assert again["output_ids"] == before["output_ids"]

@@ -27,10 +27,11 @@ from dsaserve.server.openai.protocol import (
     GenerateRequestIn,
     NativeSamplingParams,
 )
+from dsaserve.server.openai.responses_protocol import InputItem, ResponsesRequest
 
 EXAMPLES = 30
 MAX_ERROR_BYTES = 4000
-LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens", "max_output_tokens")
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 70),
@@ -67,6 +68,7 @@ ids = st.lists(st.integers(0, 1000), min_size=1, max_size=6)
 roles = st.sampled_from(["system", "user", "assistant"])
 chat_message = mutated(ChatMessage, st.fixed_dictionaries({"role": roles, "content": text}))
 anthropic_message = mutated(Message, st.fixed_dictionaries({"role": roles, "content": text}))
+responses_item = mutated(InputItem, st.fixed_dictionaries({"role": roles, "content": text}))
 common = {"stream": st.booleans(), "temperature": st.floats(0, 2), "n": st.integers(1, 2),
           "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2)}  # fmt: skip
 sampling = mutated(
@@ -101,6 +103,11 @@ ROUTES = {
          "max_tokens": st.integers(1, 3)}, optional={"stream": st.booleans(), "system": text})),
     "/v1/messages/count_tokens": mutated(MessagesRequest, st.fixed_dictionaries(
         {"messages": st.lists(anthropic_message, min_size=1, max_size=3)})),
+    "/v1/responses": mutated(ResponsesRequest, st.fixed_dictionaries(
+        {"input": st.one_of(text.filter(bool), st.lists(responses_item, min_size=1, max_size=3)),
+         "max_output_tokens": st.integers(0, 3)},
+        optional={"stream": st.booleans(), "instructions": text, "temperature": st.floats(0, 2),
+                  "store": st.booleans()})),
     "/abort_request": mutated(AbortIn, st.fixed_dictionaries(
         {}, optional={"rid": text, "abort_all": st.booleans()})),
 }  # fmt: skip
@@ -118,6 +125,8 @@ def bounded_work(path: str, body: dict) -> dict:
         body["sampling_params"].setdefault("max_new_tokens", 3)
     if path in ("/v1/chat/completions", "/v1/completions"):
         body.setdefault("max_tokens", 3)
+    if path == "/v1/responses":
+        body.setdefault("max_output_tokens", 3)
     for key in ("n",):
         if (
             isinstance(body.get(key), int)
@@ -132,6 +141,7 @@ def check_answer(path: str, r: httpx.Response) -> None:
     assert r.status_code < 500, (path, r.status_code, r.text[:500])
     if r.status_code == 200:
         assert "InternalServerError" not in r.text and "api_error" not in r.text, r.text[:500]
+        assert "response.failed" not in r.text, r.text[:500]
         return
     assert len(r.content) < MAX_ERROR_BYTES, (path, len(r.content))
     body = r.json()

@@ -151,7 +151,7 @@ async def _become_ready(
         return 1
     state.engine_info = info
     state.tokenizer_manager = TokenizerManager(state.args, tokenizer, info)
-    state.metrics = Metrics(state.tokenizer_manager.model_name)
+    state.metrics = Metrics(state.tokenizer_manager.model_name, state.args.hicache_storage_backend)
     engine.metrics = state.metrics
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
