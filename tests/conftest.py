@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
+import skip_policy
 from server_harness import Server, make_server_checkpoint, running_server, write_scripts
 
 THINK_TOOL = (
@@ -33,6 +34,17 @@ SCRIPTS = {
               "</arg_key><arg_value>true</arg_value></tool_call>", "chunk": 1},
 }  # fmt: skip
 MAX_REQUEST_BYTES = 200_000
+
+
+# ---- what may skip: hardware only, and one line listing every skip (tests/skip_policy.py) ----
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    skip_policy.add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(skip_policy.SkipPolicy(config), "dsaserve-skip-policy")
 
 
 @pytest.fixture(scope="session")
