@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
 import skip_policy
+import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
 from server_harness import Server, make_server_checkpoint, running_server, write_scripts
 
 THINK_TOOL = (

@@ -36,8 +36,9 @@ def in_ci() -> bool:
 
 
 def add_options(parser: pytest.Parser) -> None:
-    parser.addoption("--nightly", action="store_true",
-                     help="also run the tests marked nightly (long fuzz, torch.compile)")  # fmt: skip
+    parser.addoption(
+        "--nightly", action="store_true", help="also the tests marked nightly (long fuzz, compile)"
+    )
 
 
 class Skip(NamedTuple):

@@ -5,9 +5,9 @@ The Deploy panel runs against `dsaserve plan --web`; the Playground against `dsa
 the scripted engine, whose `[[script:KEY]]` prompts stream reasoning and tool calls
 deterministically. Every page fails its test on a page error, a console error, or a request to
 anything but the loopback. The browser is found by tests/chromium.py (Debian's, or Playwright's
-own); without one the module skips, which fails CI (tests/skip_policy.py). Screenshots of both panels go to docs/images/ in CI or with
-`DSASERVE_UPDATE_SCREENSHOTS=1` (elsewhere to a temporary folder, so test runs leave the
-checkout clean).
+own); without one the module skips, which fails CI (tests/skip_policy.py). Screenshots of both
+panels go to docs/images/ in CI or with `DSASERVE_UPDATE_SCREENSHOTS=1` (elsewhere to a
+temporary folder, so test runs leave the checkout clean).
 """
 
 from __future__ import annotations

@@ -95,9 +95,17 @@ class DsmlToolParser:
             pass
         return events
 
-    def finish(self) -> list[Event]:
+    def finish(self, finish_type: str | None = None) -> list[Event]:
+        """Close what is open; a call cut by the length limit (`finish_type` "length") is left
+        as generated (as in the glm47 parser)."""
         events: list[Event] = []
         rest, self.buffer = self.buffer, ""
+        if finish_type == "length" and self.call_open:
+            if not rest.startswith(TAG_STARTS):
+                self._text(events, rest)  # a string value's last piece, as written
+            self._reset_call()
+            self.state, self.in_section = "text", False
+            return events
         if rest.startswith(TAG_STARTS):
             self._on_tag(events, parse_tag(rest))  # a tag cut off before its `>`
         elif DSML[:2] not in rest:
