@@ -174,9 +174,11 @@ def _errors(value: object, schema: dict) -> list[str]:
 @pytest.fixture(scope="module", params=["glm", "deepseek"])
 def served(request, server_checkpoint: Path, tmp_path_factory) -> Iterator[tuple[str, str]]:
     family = request.param
+    # (DeepSeek's tiny tokenizer spells a tool list in ~1.5k tokens: a longer context)
     folder = server_checkpoint if family == "glm" else make_deepseek_server_checkpoint(
-        tmp_path_factory.mktemp("dsv32") / "ckpt")  # fmt: skip
-    flags = ["--served-model-name", "m", "--max-running-requests", str(BATCH)]
+        tmp_path_factory.mktemp("dsv32") / "ckpt", context_length=4096)  # fmt: skip
+    flags = ["--served-model-name", "m", "--max-running-requests", str(BATCH),
+             "--max-total-tokens", "65536"]  # fmt: skip
     with running_server(folder, *flags) as server:
         yield family, server.url
 

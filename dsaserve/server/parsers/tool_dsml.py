@@ -100,9 +100,9 @@ class DsmlToolParser:
         as generated (as in the glm47 parser)."""
         events: list[Event] = []
         rest, self.buffer = self.buffer, ""
-        if finish_type == "length" and self.call_open:
-            if not rest.startswith(TAG_STARTS):
-                self._text(events, rest)  # a string value's last piece, as written
+        if finish_type == "length":  # cut: what was written, no tag cut short, nothing closed
+            if not rest.startswith(TAG_STARTS) and DSML[:2] not in rest:
+                self._text(events, rest)
             self._reset_call()
             self.state, self.in_section = "text", False
             return events

@@ -75,11 +75,14 @@ class Glm47ToolParser:
         as generated: its arguments end where the output ended, never completed with values
         nobody wrote (a call whose name was cut is left out)."""
         events: list[Event] = []
-        if finish_type == "length" and self.state not in ("text", "skip"):
-            if self.state == "value" and self._streams_string():
-                keep = held_suffix(self.buffer, (VALUE_END,))
-                self._args(events, _escape(self.buffer[: len(self.buffer) - keep]))
-        else:
+        cut = finish_type == "length"
+        if cut and self.state == "text":  # a tag cut short is not text
+            keep = held_suffix(self.buffer, MARKUP)
+            self._content(events, self.buffer[: len(self.buffer) - keep])
+        elif cut and self.state == "value" and self._streams_string():
+            keep = held_suffix(self.buffer, (VALUE_END,))
+            self._args(events, _escape(self.buffer[: len(self.buffer) - keep]))
+        elif not cut:
             getattr(self, f"_finish_{self.state}")(events, self.buffer)
         self.buffer, self.state = "", "text"
         self._reset_call()
