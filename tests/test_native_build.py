@@ -221,12 +221,7 @@ def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, 
     assert (folder / "lock").exists() and (folder / "dsaserve.lock").read_text()  # left behind
     # 3. The third start takes the dead build's lock over and says so; it is ready within its
     # build time plus 10 s over a start with the build cached (4.): it waited on nothing.
-    third, started = launch(server_checkpoint, extensions)
-    try:
-        _wait_ready(third)
-        took = time.monotonic() - started
-    finally:
-        stop_group(third.process)
+    third, took = start_and_stop(server_checkpoint, extensions)
     log = build_lines(third)
     assert re.search(
         r"the last build of the native decode layers \(pid \d+, started \d+ s ago\) "
@@ -236,14 +231,19 @@ def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, 
     assert f"removed the stale build lock {folder / 'lock'}" in log, log
     assert f"{BUILDING} (first start, ~30 s)" in log and "unavailable" not in log, log
     built = float(re.search(r"built the native decode layers in ([\d.]+) s", log).group(1))
-    fourth, started = launch(server_checkpoint, extensions)
-    try:
-        _wait_ready(fourth)
-        warm = time.monotonic() - started
-    finally:
-        stop_group(fourth.process)
+    fourth, warm = start_and_stop(server_checkpoint, extensions)
     assert not build_lines(fourth), build_lines(fourth)  # cached: nothing to build or clear
     assert took < built + warm + 10, (took, built, warm, log)
+
+
+def start_and_stop(model: Path, extensions: Path, **env: str) -> tuple[Server, float]:
+    """A start until ready, then stopped; and how long it took to be ready."""
+    server, started = launch(model, extensions, **env)
+    try:
+        _wait_ready(server)
+        return server, time.monotonic() - started
+    finally:
+        stop_group(server.process)
 
 
 def build_lines(server: Server) -> str:
@@ -260,11 +260,10 @@ def test_serve_says_when_it_waits_on_a_live_build(server_checkpoint, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder / "dsaserve.lock")],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
-    server, _ = launch(server_checkpoint, tmp_path / "ext", DSASERVE_NATIVE_BUILD_TIMEOUT="3")
     try:
-        _wait_ready(server)
+        server, _ = start_and_stop(server_checkpoint, tmp_path / "ext",
+                                   DSASERVE_NATIVE_BUILD_TIMEOUT="3")  # fmt: skip
     finally:
-        stop_group(server.process)
         holder.kill()
         holder.wait()
     log = server.output()
