@@ -28,7 +28,7 @@ class ThinkingExits:
     def tail(self, tail: bytes, token_id: int) -> bytes:
         """The tail after `token_id`: the last bytes that could begin an exit tag."""
         grown = tail + self.token_bytes[token_id] if 0 <= token_id < len(self.token_bytes) else b""
-        return grown[len(grown) - self.keep :] if self.keep else b""
+        return grown[-self.keep :] if self.keep else b""
 
     def banned(self, tail: bytes) -> list[int]:
         """Token ids (not the trigger) whose bytes, after `tail`, would complete an exit tag."""
