@@ -274,3 +274,10 @@ def test_serve_says_when_it_waits_on_a_live_build(server_checkpoint, tmp_path):
     ), log
     assert log.count("native CPU decode unavailable") == 1, log
     assert f"another build (pid {holder.pid}) was still running at the timeout" in log, log
+
+
+def test_a_build_folder_it_cannot_write_is_a_named_failure(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "file"))  # a file: no folder in it
+    with pytest.raises(native_build.BuildFailed, match="cannot build in"):
+        native_build.load("nb_nowhere", source(tmp_path, TINY), [], what="x")

@@ -77,7 +77,15 @@ def load(name: str, source: Path, cflags: list[str], what: str,
     log ("the native decode layers"). Raises BuildFailed."""
     _check_tools()
     folder = build_directory(name)
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _load_locked(name, source, cflags, what, folder, timeout_s)
+    except OSError as e:  # a build folder it cannot write, a lock it cannot open
+        raise BuildFailed(f"cannot build in {folder}: {e}") from e
+
+
+def _load_locked(name: str, source: Path, cflags: list[str], what: str, folder: Path,
+                 timeout_s: float) -> ModuleType:  # fmt: skip
     deadline = time.monotonic() + timeout_s
     with BuildLock(folder / "dsaserve.lock", what, deadline) as lock:
         _clear_leftovers(folder, what, deadline)
