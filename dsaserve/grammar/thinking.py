@@ -22,8 +22,10 @@ class ThinkingExits:
         self.tags = [tag.encode() for tag in exits if tag]
         self.trigger = trigger
         self.keep = max((len(tag) for tag in self.tags), default=1) - 1  # bytes of tail that matter
-        self._prefixes = {tag[:k] for tag in self.tags for k in range(1, len(tag))}
-        self._banned: dict[frozenset[bytes], list[int]] = {}
+        # tokens with a whole tag inside them, banned whatever the output ends with
+        self._inside = [t for t, data in enumerate(token_bytes)
+                        if t != trigger and any(tag in data for tag in self.tags)]  # fmt: skip
+        self._banned: dict[frozenset[bytes], list[int]] = {frozenset(): self._inside}
 
     def tail(self, tail: bytes, token_id: int) -> bytes:
         """The tail after `token_id`: the last bytes that could begin an exit tag."""
@@ -31,16 +33,16 @@ class ThinkingExits:
         return grown[-self.keep :] if self.keep else b""
 
     def banned(self, tail: bytes) -> list[int]:
-        """Token ids (not the trigger) whose bytes, after `tail`, would complete an exit tag."""
-        open_prefixes = frozenset(p for p in self._prefixes if tail.endswith(p))
-        if open_prefixes not in self._banned:
-            starts = [b"", *open_prefixes]
-            self._banned[open_prefixes] = [
-                token for token, data in enumerate(self.token_bytes)
-                if token != self.trigger
-                and any(tag in start + data for start in starts for tag in self.tags)
-            ]  # fmt: skip
-        return self._banned[open_prefixes]
+        """Token ids (not the trigger) whose bytes, after `tail`, would complete an exit tag:
+        one inside them, or the rest of a tag whose beginning the tail ends with."""
+        rests = frozenset(tag[k:] for tag in self.tags for k in range(1, len(tag))
+                          if tail.endswith(tag[:k]))  # fmt: skip
+        if rests not in self._banned:
+            starts = tuple(rests)
+            completing = {t for t, data in enumerate(self.token_bytes)
+                          if t != self.trigger and data.startswith(starts)}  # fmt: skip
+            self._banned[rests] = sorted(completing.union(self._inside))
+        return self._banned[rests]
 
 
 def token_bytes(tokenizer: Any, vocab_size: int) -> list[bytes]:

@@ -194,8 +194,9 @@ def _mask_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
     cols: list[int] = []
     for i, state in enumerate(states):
         if state.blocks_stop_now:
-            banned = [*state.min_tokens_block, *state.grammar.banned_now()] if (
-                state.grammar is not None) else state.min_tokens_block  # fmt: skip
+            banned = state.min_tokens_block
+            if state.grammar is not None:
+                banned = [*banned, *state.grammar.banned_now()]
             rows.extend([i] * len(banned))
             cols.extend(banned)
     if rows:
