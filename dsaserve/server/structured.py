@@ -37,10 +37,8 @@ class StructuredOutput:
         self.think_end = vocab.get("</think>")
         self._checker: GrammarChecker | None = None  # imported on first use
 
-    def chat_fields(
-        self, req: Any, tools: list[dict], tool_choice: Any, parser: str | None, prompt: str,
-        reasoning: str | None = None,
-    ) -> dict:
+    def chat_fields(self, req: Any, tools: list[dict], tool_choice: Any, parser: str | None,
+                    prompt: str, reasoning: str | None = None) -> dict:  # fmt: skip
         """Sampling fields for a chat request (`req`: ChatCompletionRequest); `parser` and
         `reasoning` name its tool-call and reasoning parsers."""
         found = [*_response_format(req), *_sglang_fields(req)]
