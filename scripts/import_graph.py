@@ -28,7 +28,16 @@ TOOLS = ("bench", "scripts", "tests")  # folders of scripts that put each other 
 OUTSIDE = 8  # the floor of bench/, scripts/, tests/: above the package
 # floor -> the package's folders and root modules on it (docs/architecture.md)
 FLOORS = {
-    1: ("args", "sampling_params", "model_config", "grammar", "deploy", "kernels", "assets"),
+    1: (
+        "args",
+        "sampling_params",
+        "model_config",
+        "process_tree",
+        "grammar",
+        "deploy",
+        "kernels",
+        "assets",
+    ),
     2: ("distributed",),
     3: ("layers",),
     4: ("models",),

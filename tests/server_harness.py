@@ -27,6 +27,9 @@ from dsaserve.assets import default_model_path
 FIXTURES = Path(__file__).parent / "fixtures"
 READY = re.compile(r"dsaserve ready: (http://\S+)")
 START_TIMEOUT_S = 240
+BUILD_TIMEOUT_S = 600  # more, while the start says it is building (kernels/native_build.py)
+BUILD_START = re.compile(r"building the native decode layers|waiting for another build")
+BUILD_END = re.compile(r"built the native decode layers|native CPU decode unavailable")
 CONTEXT_LENGTH = 1024
 
 
@@ -104,12 +107,20 @@ def running_server(
 
 
 def _wait_ready(server: Server) -> str:
+    """The server's URL once it says it is ready: within START_TIMEOUT_S, plus the time it says
+    it spent building the native decode layers (or waiting on another build) on a busy machine
+    (up to BUILD_TIMEOUT_S more)."""
     found: list[str] = []
     ready = threading.Event()
+    build: dict[str, float] = {}
 
     def pump() -> None:
         for line in server.process.stdout:
             server.log.append(line)
+            if BUILD_START.search(line):
+                build.setdefault("start", time.monotonic())
+            if BUILD_END.search(line):
+                build.setdefault("end", time.monotonic())
             match = READY.search(line)
             if match and not found:
                 found.append(match.group(1))
@@ -117,7 +128,11 @@ def _wait_ready(server: Server) -> str:
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    ready.wait(START_TIMEOUT_S)
+    start = time.monotonic()
+    while not ready.wait(1.0):
+        building = build.get("end", time.monotonic()) - build.get("start", time.monotonic())
+        if time.monotonic() - start > START_TIMEOUT_S + min(building, BUILD_TIMEOUT_S):
+            break
     if not found:
         raise RuntimeError(f"server did not start:\n{server.output()}")
     return found[0]

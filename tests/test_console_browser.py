@@ -4,8 +4,9 @@
 The Playground runs against `dsaserve serve` with the scripted engine, whose `[[script:KEY]]`
 prompts stream reasoning and tool calls deterministically (the Deploy panel, against `dsaserve plan
 --web`, is test_console_deploy.py's, with this module's browser and page). Every page fails its
-test on a page error, a console error, or a request to anything but the loopback. Without
-Chromium or Playwright the module skips, except in CI (`CI=true`), where it fails. Screenshots of
+test on a page error, a console error, or a request to anything but the loopback. The browser is
+found by tests/chromium.py (Debian's, or Playwright's own); without one the module skips, which
+fails CI (tests/skip_policy.py). Screenshots of
 both panels go to docs/images/ in CI or with `DSASERVE_UPDATE_SCREENSHOTS=1` (elsewhere to a
 temporary folder, so test runs leave the checkout clean).
 """
@@ -25,10 +26,10 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from chromium import find_chromium
 from server_harness import Server, running_server, write_scripts
 
 IN_CI = os.environ.get("CI") == "true"
-CHROMIUM = os.environ.get("DSASERVE_CHROMIUM") or shutil.which("chromium")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 WAIT_MS = 30_000
@@ -45,23 +46,19 @@ SCRIPTS = {
 }  # fmt: skip
 
 
-def unavailable(reason: str) -> None:
-    if IN_CI:
-        pytest.fail(f"CI needs the browser tests: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
-    if CHROMIUM is None:
-        unavailable("no chromium on PATH (apt-get install chromium)")
     try:
         from playwright.sync_api import expect, sync_playwright
     except ImportError:
-        unavailable("playwright is not installed (pip install playwright)")
+        pytest.skip("playwright is not installed (scripts/install.sh)")
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no Chromium: scripts/install.sh installs Debian's (or: playwright install "
+                    "chromium)")  # fmt: skip
     expect.set_options(timeout=WAIT_MS)
     with sync_playwright() as driver:
-        chromium = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        chromium = driver.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             yield chromium
         finally:

@@ -58,7 +58,9 @@ class Req:
     def finish(self, kind: str, matched: int | str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason = {"type": kind, "matched": matched}
-            self.pending_text += self.detok.flush()
+            tail = self.detok.flush()
+            # cut by the limit inside a character: that character was never written
+            self.pending_text += tail.rstrip("\ufffd") if kind == "length" else tail
 
     def append(
         self, token: int, logprob: TokenLogprob | None, eos_ids: list[int], context: int

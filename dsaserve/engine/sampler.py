@@ -90,8 +90,11 @@ class SamplingState:
 
     @property
     def blocks_stop_now(self) -> bool:
-        """True while min_tokens is not reached: EOS and stop_token_ids are masked."""
-        return len(self.output_ids) < self.params.min_tokens and bool(self.min_tokens_block)
+        """True while min_tokens is not reached, or while a grammar waits for its trigger (the
+        answer has not started; it may not end before): EOS and stop_token_ids are masked."""
+        waiting = self.grammar is not None and self.grammar.armed
+        short = len(self.output_ids) < self.params.min_tokens
+        return (short or waiting) and bool(self.min_tokens_block)
 
 
 class SampleResult(NamedTuple):
@@ -185,12 +188,17 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
 
 
 def _mask_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
+    """EOS and stop ids where `blocks_stop_now`; and while a grammar waits for its trigger, the
+    tokens that would end thinking elsewhere (grammar/thinking.py)."""
     rows: list[int] = []
     cols: list[int] = []
     for i, state in enumerate(states):
         if state.blocks_stop_now:
-            rows.extend([i] * len(state.min_tokens_block))
-            cols.extend(state.min_tokens_block)
+            banned = state.min_tokens_block
+            if state.grammar is not None:
+                banned = [*banned, *state.grammar.banned_now()]
+            rows.extend([i] * len(banned))
+            cols.extend(banned)
     if rows:
         index = (torch.tensor(rows), torch.tensor(cols))
         logits[tuple(t.to(logits.device) for t in index)] = float("-inf")

@@ -4,8 +4,9 @@
 math as dsaserve/layers/fused.py, which stays the reference and the fallback). The extension is
 compiled with the machine's own compiler at first use (`torch.utils.cpp_extension`, about 30 s
 on two cores; cached under `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), with
-`-O3 -march=native`, since it is built where it runs. Where it cannot be built (no compiler, no
-Python headers) the engine says so once and keeps the Python fused path.
+`-O3 -march=native`, since it is built where it runs, under kernels/native_build.py's lock and
+timeout. Where it cannot be built (no compiler, a compile error, a timeout) the engine says so
+once and keeps the Python fused path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dsaserve.kernels import native_build
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MoE
 
@@ -28,19 +30,12 @@ NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's r
 
 @functools.cache
 def extension():
-    """The compiled module, or None (with one warning) where this machine cannot build it."""
-    from torch.utils import cpp_extension
-
+    """The compiled module, or None (with one warning naming why) where it cannot be built."""
     try:
-        return cpp_extension.load(
-            name="dsaserve_cpu_decode",
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
-            verbose=False,
-        )
-    except Exception as exc:  # noqa: BLE001 (any build failure means: keep the Python path)
-        logger.warning("native CPU decode unavailable (%s); using the Python fused path",
-                       str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)  # fmt: skip
+        return native_build.load("dsaserve_cpu_decode", SOURCE, ["-O3", "-march=native"],
+                                 what="the native decode layers")  # fmt: skip
+    except native_build.BuildFailed as exc:
+        logger.warning("native CPU decode unavailable (%s); using the Python fused path", exc)
         return None
 
 

@@ -12,6 +12,7 @@ the API process sees the death and answers 503.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -66,10 +67,14 @@ def run_engine_process(
 ) -> None:
     """Entry point of the spawned engine process: start this node's other ranks (--tp > 1),
     build what `factory` makes on them, and serve it until told to stop."""
-    # The API process decides when we stop (after draining), also when a whole process group is
-    # signalled; if the API process dies instead, the loop notices the new parent and exits.
+    # Serving, the API process decides when we stop (after draining), also when a whole process
+    # group is signalled; if the API process dies instead, the loop notices the new parent and
+    # exits. Starting, there is nothing to drain: SIGTERM ends the start (a native build's
+    # compiler included, kernels/native_build.py), and so does the API process's death.
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_starting)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(paths.to_engine)
@@ -88,7 +93,24 @@ def run_engine_process(
             ranks.kill()
         outbox.close(linger=2000)
         sys.exit(1)
+    except SystemExit:  # SIGTERM, or the API process died, while starting
+        if ranks is not None:
+            ranks.kill()
+        raise
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve_engine(engine, args, inbox, outbox, parent_pid, ranks=ranks)
+
+
+def _stop_starting(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds the start: `finally` blocks stop what they began
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """The API process died: stop a start in progress (once serving, SIGTERM is ignored and the
+    engine loop notices the new parent itself)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _rejecter(outbox: Any) -> Reject:

@@ -18,6 +18,7 @@ from typing import Any
 
 import uvicorn
 
+from dsaserve import process_tree
 from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.runtime import ipc
 from dsaserve.runtime.node import serve_node
@@ -134,7 +135,7 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
     finally:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
-        await stop_engine(engine, process)
+        await stop_engine(engine, process, started=bool(state.engine_info))
         state.body_decoder.close()
         paths.cleanup(groups)
     return code
@@ -144,8 +145,14 @@ async def _become_ready(
     server: DrainingServer, serving: asyncio.Task, state: ServerState, tokenizer: Any
 ) -> int:
     engine: EngineClient = state.engine
+    ready = asyncio.ensure_future(engine.wait_ready())
+    await asyncio.wait([ready, serving], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # a signal (or a failed HTTP start) while the engine was starting
+        ready.cancel()
+        print("dsaserve serve: stopped during start-up", file=sys.stderr, flush=True)
+        return 1
     try:
-        info = await engine.wait_ready()
+        info = ready.result()
     except Exception as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 1
@@ -182,16 +189,23 @@ def start_engine(
     return process
 
 
-async def stop_engine(engine: EngineClient, process: multiprocessing.process.BaseProcess) -> None:
-    """Ask the engine to stop; terminate, then kill, if it does not."""
+async def stop_engine(
+    engine: EngineClient, process: multiprocessing.process.BaseProcess, started: bool = True
+) -> None:
+    """Ask the engine to stop; terminate, then kill, if it does not. An engine still starting
+    has nothing to drain: it is terminated at once (it stops its build, if any), and whatever it
+    leaves running (ranks, a compiler) is killed with it."""
     await engine.shutdown()
-    deadline = time.monotonic() + ENGINE_STOP_TIMEOUT_S
+    deadline = time.monotonic() + (ENGINE_STOP_TIMEOUT_S if started else 0.0)
     while process.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    tree = process_tree.descendants(process.pid) if process.pid else []
     if process.is_alive():
         process.terminate()
-        process.join(3)
+        await asyncio.to_thread(process.join, 3)
     if process.is_alive():
+        tree = process_tree.descendants(process.pid)
         process.kill()
         process.join(3)
+    process_tree.kill_all(tree)
     engine.close()
