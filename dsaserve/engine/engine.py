@@ -179,13 +179,13 @@ class Engine:
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
-        # kernels and a cache in the compute dtype (an FP8 cache, a bf16 cache under fp32, or
-        # Triton kernels: layered).
-        plain = stored == self.dtype and set(self.kernels.names.values()) == {"torch"}
-        plain = plain and self.parallel.world == 1  # the ranks run the layered model
+        # kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an
+        # fp32, bf16 or FP8 pool; the Python fused path an fp32 one (engine/decode_step.py).
+        plain = set(self.kernels.names.values()) == {"torch"} and self.parallel.world == 1
         fused = plain and not args.disable_fused_decode
         native = not args.disable_native_decode
-        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native)
+        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native,
+                                cache_dtype=stored)  # fmt: skip
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
                                   self.graphs)  # fmt: skip
         self.spec = None
