@@ -33,6 +33,7 @@ from dsaserve.engine.request import Req
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.speculative import SpecDecoder
 from dsaserve.engine.startup import (
+    default_threads,
     generation_defaults,
     layer_split,
     load_model,
@@ -65,7 +66,9 @@ class Engine:
     ) -> None:
         self.args = args
         self.device = pick_device(args.device)
-        if args.threads is not None:  # default: torch's (OMP_NUM_THREADS, else the cores)
+        if self.device.type == "cpu":  # default: OMP_NUM_THREADS, else the physical cores
+            torch.set_num_threads(default_threads(args.threads))
+        elif args.threads is not None:
             torch.set_num_threads(args.threads)
         refuse_unrunnable(args, self.device.type)
         self.kernels = choose_kernels(args, self.device.type)

@@ -55,8 +55,10 @@ class Pool {
     }
     if (pid_ != getpid()) forget_workers();  // a forked child has none of the parent's threads
     while (static_cast<int>(workers_.size()) < n - 1) {
+      // the generation before this job's: a worker that starts late still takes this job
       const int tid = static_cast<int>(workers_.size()) + 1;
-      workers_.emplace_back([this, tid] { work(tid); });
+      const uint64_t seen = generation_.load(std::memory_order_acquire);
+      workers_.emplace_back([this, tid, seen] { work(tid, seen); });
     }
     job_ = &f;
     n_ = n;
@@ -86,8 +88,7 @@ class Pool {
   int threads() const { return n_; }
 
  private:
-  void work(int tid) {
-    uint64_t seen = generation_.load(std::memory_order_acquire);
+  void work(int tid, uint64_t seen) {
     bool busy = false;  // took part in the last job: spin for the next one before sleeping
     for (;;) {
       const auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
