@@ -97,13 +97,16 @@ class DecodeLayers {
     s.index_cache = &index_cache;
     Tensor logits = torch::empty({rows, head_.vocab}, cos.options());
     s.logits = logits.data_ptr<float>();
-    const int threads = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    const int threads = std::max(1, std::min<int>(threads_ ? threads_ : at::get_num_threads(), 64));
     scratch_.size(layers_, head_, rows, longest, threads);
     run(s, threads);
     return logits;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The pool's threads for a step: 0 (the default) follows torch's intra-op thread count.
+  int threads_ = 0;
 
  private:
   void run(const Step& s, int threads) {
@@ -176,7 +179,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>,
                           std::vector<torch::Tensor>, double>())
       .def("forward", &dsa::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_property_readonly("num_layers", &dsa::DecodeLayers::num_layers);
+      .def_property_readonly("num_layers", &dsa::DecodeLayers::num_layers)
+      .def_readwrite("threads", &dsa::DecodeLayers::threads_);
   // One row's index scores over its keys in the pool: q [H, D] and w [H] fp32, pool [S, D],
   // slots [L] int64, valid [L] bool -> [L].
   m.def("index_scores", &dsa::index_scores);
