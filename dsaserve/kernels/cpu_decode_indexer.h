@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -75,14 +76,25 @@ inline void score_keys(const float* q, const float* w, const Rows& keys, const i
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t i = 0; i < dim; ++i) qt[i * heads + h] = q[h * dim + i];
   }
+  const bool fp8 = keys.kind == Kv::kFP8;
   for (int64_t l = begin; l < end; l += kb) {
     const int n = static_cast<int>(std::min<int64_t>(kb, end - l));
     const float* key[8];
-    for (int j = 0; j < kb; ++j)
-      key[j] = j < n && l + j < length ? keys.load(slots[l + j], buf.data() + j * dim)
-                                       : zeros.data();
+    float scale[8];
+    for (int j = 0; j < kb; ++j) {
+      key[j] = zeros.data();
+      if (j >= n || l + j >= length) continue;
+      if (fp8) {  // e4m3 values unscaled: relu(s x) = s relu(x), so the scale goes on the score
+        const uint8_t* r = keys.row(slots[l + j]);
+        std::memcpy(&scale[j], r + dim, 4);
+        dequantize(r, dim, 1.0f, buf.data() + j * dim);
+        key[j] = buf.data() + j * dim;
+      } else {
+        key[j] = keys.load(slots[l + j], buf.data() + j * dim);
+      }
+    }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (l + 4 * kb < end && keys.kind == Kv::kF32)
+    if (l + 4 * kb < end)
       _mm_prefetch(reinterpret_cast<const char*>(keys.row(slots[l + 4 * kb])), _MM_HINT_T0);
     if (vector) {
       const auto block = heads == 8    ? score_block8<1>
@@ -90,10 +102,14 @@ inline void score_keys(const float* q, const float* w, const Rows& keys, const i
                          : heads == 32 ? score_block8<4>
                                        : score_block8<8>;
       block(qt.data(), w, key, n, dim, out + l);
-      continue;
+    } else {
+      for (int j = 0; j < n; ++j) out[l + j] = score_key(q, w, key[j], heads, dim);
     }
-#endif
+#else
     for (int j = 0; j < n; ++j) out[l + j] = score_key(q, w, key[j], heads, dim);
+#endif
+    if (fp8)
+      for (int j = 0; j < n && l + j < length; ++j) out[l + j] *= scale[j];
   }
   for (int64_t l = std::max(begin, length); l < end; ++l) out[l] = kNone;
 }
