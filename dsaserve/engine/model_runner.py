@@ -61,7 +61,7 @@ class ModelRunner:
         every row's logits [T, V]."""
         ids, positions, slots = self.decode_rows.inputs(scheduled)
         return step.fused.decode_logits(ids, positions, slots, self.pool.kv_cache,
-                                        self.pool.index_cache)  # fmt: skip
+                                        self.pool.index_cache, max(scheduled.starts))  # fmt: skip
 
     def run_target(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify

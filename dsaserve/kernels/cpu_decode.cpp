@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -105,7 +106,8 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // The pool's threads for a step: 0 (the default) follows torch's intra-op thread count.
+  // The pool's threads for a step: 0 (the default) follows torch's intra-op thread count and
+  // lets the chooser below fall back to one thread where that is faster; n > 0: always n.
   int threads_ = 0;
 
  private:
@@ -117,14 +119,45 @@ class DecodeLayers {
       if (L.index_cache >= 0) keys[l] = pool_rows(*s.index_cache, L.index_cache, L.idx_dim, 0);
     }
     Pool& p = pool();
+    const int n = threads_ ? threads : chooser_.threads(threads);  // a fixed count: no chooser
     const std::function<void(int)> job = [&](int tid) {
-      Ctx c{s, scratch_, p, tid, threads};
+      Ctx c{s, scratch_, p, tid, n};
       head_.embed_rows(c);
       for (size_t l = 0; l < layers_.size(); ++l) layers_[l].forward(c, kv[l], keys[l]);
       head_.logits(c);
     };
-    p.run(threads, job);
+    const auto start = std::chrono::steady_clock::now();
+    p.run(n, job);
+    chooser_.took(n, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
+
+  // On a machine shared with other work, the other threads may not get a core when a barrier
+  // waits for them, and a step on several threads becomes slower than on one. Every 32nd step
+  // runs on one thread; each thread count keeps a moving average of its step time, and the
+  // faster is used. Results are the same bits either way, so this only changes the speed.
+  struct Chooser {
+    int64_t steps = 0, single_steps = 0;
+    double one = 0, many = 0;  // seconds per step, moving averages
+    int threads(int wanted) {
+      if (wanted <= 1) return 1;
+      const int preferred = one > 0 && many > 0 && one < many ? 1 : wanted;
+      const bool probe = ++steps % 32 == 0 || (steps > 1 && one == 0);  // try the other one
+      const int n = probe ? (preferred == 1 ? wanted : 1) : preferred;
+      single_steps += n == 1;
+      return n;
+    }
+    void took(int n, double seconds) {
+      double& avg = n == 1 ? one : many;
+      avg = avg == 0 ? seconds : 0.8 * avg + 0.2 * seconds;
+    }
+  };
+  Chooser chooser_;
+
+ public:
+  // Steps run, and of them on one thread although more were asked for (the chooser above).
+  std::pair<int64_t, int64_t> thread_steps() const { return {chooser_.steps, chooser_.single_steps}; }
+
+ private:
 
   std::vector<Layer> layers_;
   Head head_;
@@ -180,7 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<torch::Tensor>, double>())
       .def("forward", &dsa::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &dsa::DecodeLayers::num_layers)
-      .def_readwrite("threads", &dsa::DecodeLayers::threads_);
+      .def_readwrite("threads", &dsa::DecodeLayers::threads_)
+      .def_property_readonly("thread_steps", &dsa::DecodeLayers::thread_steps);
   // One row's index scores over its keys in the pool: q [H, D] and w [H] fp32, pool [S, D],
   // slots [L] int64, valid [L] bool -> [L].
   m.def("index_scores", &dsa::index_scores);

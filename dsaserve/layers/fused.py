@@ -199,10 +199,12 @@ class FusedDecode:
         norm = model.model.norm
         return self.model.logits(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps))
 
-    def decode_logits(self, ids, positions, slots, kv_cache, index_cache) -> torch.Tensor:
+    def decode_logits(self, ids, positions, slots, kv_cache, index_cache,
+                      last: int | None = None) -> torch.Tensor:  # fmt: skip
         """The native step: row t (token ids[t] at position p = positions[t]) writes its entry
-        at slots[t, p] and attends slots[t, :p + 1]; returns fp32 logits [T, V]."""
-        cos, sin = self.rotary_tables(int(positions.max()) + 1)
+        at slots[t, p] and attends slots[t, :p + 1]; returns fp32 logits [T, V]. `last`: the
+        largest position, where the caller knows it."""
+        cos, sin = self.rotary_tables((int(positions.max()) if last is None else last) + 1)
         return self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
                                    cos, sin)  # fmt: skip
 
