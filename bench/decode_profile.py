@@ -25,14 +25,13 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+from step_bytes import step_bytes  # noqa: E402 (bench/ is the script's folder)
 from torch.profiler import ProfilerActivity, profile
 
 from dsaserve.args import ServerArgs
 from dsaserve.assets import default_model_path
 from dsaserve.engine.engine import Engine
 from dsaserve.engine.io import GenerateRequest
-
-from step_bytes import step_bytes  # noqa: E402 (bench/ is the script's folder)
 
 MODES = {"layered": {"disable_fused_decode": True}, "fused": {"disable_native_decode": True},
          "native": {}, "fused+compile": {"enable_torch_compile": True}}  # fmt: skip
@@ -128,14 +127,17 @@ def main() -> None:
     stream = max(bandwidth)
     print(f"streaming read, {args.threads} thread(s): {bandwidth[0]:.1f} / {bandwidth[1]:.1f} GB/s "
           f"(before / after); load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| path | step ms | forward ms | rest of step ms | aten ops / step | decode tok/s "
-          "| MB read / step | GB/s | of stream |")
+    print(
+        "| path | step ms | forward ms | rest of step ms | aten ops / step | decode tok/s "
+        "| MB read / step | GB/s | of stream |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         r["of_stream"] = r["gb_s"] / stream
         print(f"| {r['mode']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['engine_ms']:.2f} "
               f"| {r['aten_ops_per_step']:.0f} | {1e3 / r['step_ms']:.1f} "
-              f"| {r['mb_per_step']:.1f} | {r['gb_s']:.1f} | {100 * r['of_stream']:.0f}% |")  # fmt: skip
+              f"| {r['mb_per_step']:.1f} | {r['gb_s']:.1f} "
+              f"| {100 * r['of_stream']:.0f}% |")  # fmt: skip
     for r in rows:
         print(r["mode"], "top ops per step:", ", ".join(f"{k[6:]} {v / (args.steps + 1):.0f}"
                                                         for k, v in r["top_ops"]))  # fmt: skip

@@ -35,7 +35,6 @@ from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
 
-
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -170,10 +169,10 @@ class FusedDecode:
         on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
         python = weights[0].w_in.dtype == torch.float32 and cache_dtype == torch.float32
         stored = cache_dtype in (torch.float32, torch.bfloat16, torch.uint8)
-        layers_native = cpu_decode.build(model, layers, weights) if native and on_cpu and stored else None
-        if layers_native is None and not python:
+        built = cpu_decode.build(model, layers, weights) if native and on_cpu and stored else None
+        if built is None and not python:
             return None
-        return cls(model, weights, layers_native)
+        return cls(model, weights, built)
 
     @staticmethod
     def accepts(batch: ForwardBatch) -> bool:
