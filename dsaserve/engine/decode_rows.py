@@ -17,10 +17,12 @@ from dsaserve.engine.scheduler import ScheduledBatch
 
 
 def all_decodes(scheduled: ScheduledBatch) -> bool:
-    """Every request of the step computes exactly its next token from its own fill."""
+    """Every request of the step computes the last token of its fill (a decode: not a one-token
+    chunk inside its prompt), so every row is sampled."""
     if scheduled.input_ids is not None:
         return False
-    return all(end - start == 1 for start, end in zip(scheduled.starts, scheduled.ends))
+    return all(end - start == 1 and end == req.fill_len
+               for req, start, end in zip(scheduled.reqs, scheduled.starts, scheduled.ends))  # fmt: skip
 
 
 class DecodeRows:

@@ -131,48 +131,70 @@ struct Mat {
   const float* bias = nullptr;
 };
 
-// y[t][o] = x[t] . w[o] (+ bias[o]) for o in [o0, o1) and every row t < rows, in blocks of 4
+#if defined(__AVX512F__)
+// One block: OB weight rows (from o) x TB input rows (from t), OB x TB accumulators in registers
+// (the block sizes are template arguments so that the compiler keeps them there).
+template <bool BF16, int OB, int TB>
+void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, float* const* y) {
+  const int64_t cols = w.cols, tail = cols % 16, body = cols - tail;
+  const __mmask16 m = static_cast<__mmask16>((1u << tail) - 1);
+  __m512 acc[OB][TB];
+  for (int a = 0; a < OB; ++a)
+    for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_setzero_ps();
+  const auto step = [&](int64_t i, bool masked) {
+    __m512 wv[OB], xv[TB];
+    for (int a = 0; a < OB; ++a) {
+      if constexpr (BF16) {
+        const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
+        wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
+      } else {
+        const float* wr = static_cast<const float*>(w.data) + (o + a) * cols + i;
+        wv[a] = masked ? _mm512_maskz_loadu_ps(m, wr) : _mm512_loadu_ps(wr);
+      }
+    }
+    for (int b = 0; b < TB; ++b)
+      xv[b] = masked ? _mm512_maskz_loadu_ps(m, x[t + b] + i) : _mm512_loadu_ps(x[t + b] + i);
+    for (int a = 0; a < OB; ++a)
+      for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_fmadd_ps(wv[a], xv[b], acc[a][b]);
+  };
+  for (int64_t i = 0; i < body; i += 16) step(i, false);
+  if (tail) step(body, true);
+  for (int a = 0; a < OB; ++a)
+    for (int b = 0; b < TB; ++b) {
+      const float s = hsum(acc[a][b]);
+      y[t + b][o + a] = w.bias ? s + w.bias[o + a] : s;
+    }
+}
+
+template <bool BF16, int OB>
+void linear_tiles(const float* const* x, int64_t rows, const Mat& w, int64_t o, float* const* y) {
+  int64_t t = 0;
+  for (; t + 4 <= rows; t += 4) linear_tile<BF16, OB, 4>(x, w, o, t, y);
+  switch (rows - t) {
+    case 3: linear_tile<BF16, OB, 3>(x, w, o, t, y); break;
+    case 2: linear_tile<BF16, OB, 2>(x, w, o, t, y); break;
+    case 1: linear_tile<BF16, OB, 1>(x, w, o, t, y); break;
+    default: break;
+  }
+}
+#endif
+
+// y[t][o] = x[t] . w[o] (+ bias[o]) for o in [o0, o1) and every row t < rows, in tiles of 4
 // weight rows x 4 input rows: each weight row is read once for all the rows.
 template <bool BF16>
 void linear_block(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
                   float* const* y) {
-  const int64_t cols = w.cols;
 #if defined(__AVX512F__)
-  const int64_t tail = cols % 16, body = cols - tail;
-  const __mmask16 m = static_cast<__mmask16>((1u << tail) - 1);
-  for (int64_t o = o0; o < o1; o += 4) {
-    const int ob = static_cast<int>(std::min<int64_t>(4, o1 - o));
-    for (int64_t t = 0; t < rows; t += 4) {
-      const int tb = static_cast<int>(std::min<int64_t>(4, rows - t));
-      __m512 acc[4][4];
-      for (int a = 0; a < 4; ++a)
-        for (int b = 0; b < 4; ++b) acc[a][b] = _mm512_setzero_ps();
-      const auto step = [&](int64_t i, bool masked) {
-        __m512 wv[4], xv[4];
-        for (int a = 0; a < ob; ++a) {
-          if (BF16) {
-            const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
-            wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
-          } else {
-            const float* wr = static_cast<const float*>(w.data) + (o + a) * cols + i;
-            wv[a] = masked ? _mm512_maskz_loadu_ps(m, wr) : _mm512_loadu_ps(wr);
-          }
-        }
-        for (int b = 0; b < tb; ++b)
-          xv[b] = masked ? _mm512_maskz_loadu_ps(m, x[t + b] + i) : _mm512_loadu_ps(x[t + b] + i);
-        for (int a = 0; a < ob; ++a)
-          for (int b = 0; b < tb; ++b) acc[a][b] = _mm512_fmadd_ps(wv[a], xv[b], acc[a][b]);
-      };
-      for (int64_t i = 0; i < body; i += 16) step(i, false);
-      if (tail) step(body, true);
-      for (int a = 0; a < ob; ++a)
-        for (int b = 0; b < tb; ++b) {
-          const float s = hsum(acc[a][b]);
-          y[t + b][o + a] = w.bias ? s + w.bias[o + a] : s;
-        }
-    }
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) linear_tiles<BF16, 4>(x, rows, w, o, y);
+  switch (o1 - o) {
+    case 3: linear_tiles<BF16, 3>(x, rows, w, o, y); break;
+    case 2: linear_tiles<BF16, 2>(x, rows, w, o, y); break;
+    case 1: linear_tiles<BF16, 1>(x, rows, w, o, y); break;
+    default: break;
   }
 #else
+  const int64_t cols = w.cols;
   std::vector<float> row(cols);
   for (int64_t o = o0; o < o1; ++o) {
     const float* wr = static_cast<const float*>(w.data) + o * cols;
