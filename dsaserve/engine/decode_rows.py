@@ -21,8 +21,8 @@ def all_decodes(scheduled: ScheduledBatch) -> bool:
     chunk inside its prompt), so every row is sampled."""
     if scheduled.input_ids is not None:
         return False
-    return all(end - start == 1 and end == req.fill_len
-               for req, start, end in zip(scheduled.reqs, scheduled.starts, scheduled.ends))  # fmt: skip
+    rows = zip(scheduled.reqs, scheduled.starts, scheduled.ends)
+    return all(end - start == 1 and end == req.fill_len for req, start, end in rows)
 
 
 class DecodeRows:
