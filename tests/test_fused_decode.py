@@ -119,11 +119,11 @@ def test_fused_decode_matches_layered_model(case, mode, tmp_path, monkeypatch):
         if native is not None:
             step.fused.native = native = Counted(native)
         results[fused] = llm.generate(prompts, params, use_tqdm=False)
-        assert bool(calls) == fused
-        if native is not None:
-            assert native.calls == len(calls)
-    # every step after the prefills is an all-decode batch
-    assert len(calls) >= NEW_TOKENS - 1
+        # the Python path runs FusedDecode.forward; the native one its own kept batch
+        ran = native.calls if native is not None else len(calls)
+        assert bool(ran) == fused
+        if fused:
+            assert ran >= NEW_TOKENS - 1  # every step after the prefills is an all-decode batch
     for layered, fused in zip(results[False], results[True]):
         assert fused.token_ids == layered.token_ids
         for a, b in zip(layered.logprobs, fused.logprobs):

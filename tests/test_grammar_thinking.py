@@ -6,11 +6,11 @@ output ends with; the trigger itself always can."""
 from __future__ import annotations
 
 import torch
-from dsaserve.layers.sampler import Sampler, SamplingState
 from transformers import AutoTokenizer
 
 from dsaserve import SamplingParams
 from dsaserve.assets import default_model_path
+from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.grammar.backend import make_backend
 from dsaserve.grammar.state import GrammarState
 from dsaserve.grammar.thinking import ThinkingExits, token_bytes

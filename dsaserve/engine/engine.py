@@ -31,7 +31,7 @@ from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.shard import Shard, build_shard
 from dsaserve.engine.speculative import SpecDecoder
-from dsaserve.engine.startup import generation_defaults
+from dsaserve.engine.startup import default_threads, generation_defaults, pick_device
 from dsaserve.kernels.kv_quant import kv_dtype_name
 from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.sampling_params import SamplingParams
@@ -53,7 +53,9 @@ class Engine:
             raise ValueError(f"Engine(args) with --tp {args.tp_size}: pass the ParallelState of "
                              "running ranks (runtime/ranks.py start_ranks; LLM and dsaserve "
                              "serve start them)")  # fmt: skip
-        if args.threads is not None:  # default: torch's (OMP_NUM_THREADS, else the cores)
+        if pick_device(args.device).type == "cpu":  # default: OMP_NUM_THREADS, else the cores
+            torch.set_num_threads(default_threads(args.threads))
+        elif args.threads is not None:
             torch.set_num_threads(args.threads)
         self._init_shard(build_shard(args, self.parallel, show_progress))
         self._init_runner()
@@ -110,13 +112,13 @@ class Engine:
         config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
-        # kernels and a cache in the compute dtype (an FP8 cache, a bf16 cache under fp32, or
-        # Triton kernels: layered).
-        plain = stored == self.dtype and set(self.kernels.names.values()) == {"torch"}
-        plain = plain and self.parallel.world == 1  # the ranks run the layered model
+        # kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an
+        # fp32, bf16 or FP8 pool; the Python fused path an fp32 one (engine/decode_step.py).
+        plain = set(self.kernels.names.values()) == {"torch"} and self.parallel.world == 1
         fused = plain and not args.disable_fused_decode
         native = not args.disable_native_decode
-        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native)
+        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native,
+                                cache_dtype=stored)  # fmt: skip
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
                                   self.graphs)  # fmt: skip
         self.spec = None

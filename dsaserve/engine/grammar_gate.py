@@ -70,7 +70,7 @@ class GrammarGate:
     def fill_ahead(self, scheduled: ScheduledBatch) -> Future | None:
         """Fill the grammar bitmask of the rows this step samples while the model runs."""
         states = [r.sampling for r, end in zip(scheduled.reqs, scheduled.ends)
-                  if end == len(r.fill_ids)]  # fmt: skip
+                  if end == r.fill_len]  # fmt: skip
         if not any(s.grammar is not None and s.grammar.active for s in states):
             return None
         return self._mask_pool.submit(fill_bitmask, states, self.vocab)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 def report(engine: Any) -> dict:
     """`engine`: an `Engine` (engine/engine.py, which calls this for its `stats()`)."""
@@ -21,6 +23,8 @@ def report(engine: Any) -> dict:
         "kv_cache_dtype": engine.kv_dtype,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "kernel_backends": dict(engine.kernels.names),
+        "cpu_threads": torch.get_num_threads(),
+        "decode_path": decode_path(engine),
         "fp8_linears_kept": engine.fp8_linears,
         "fp8_expert_layers_kept": engine.fp8_experts,
         "routed_expert_bytes": engine.routed_expert_bytes,
@@ -32,3 +36,13 @@ def report(engine: Any) -> dict:
         **(engine.spec.report.stats() if engine.spec is not None else {}),
         **cache.tier_stats(),
     }
+
+
+def decode_path(engine: Any) -> str:
+    """Which forward an all-decode step takes: native, python (fused), compiled or layered."""
+    step = engine.runner.decode_step
+    if step is None:
+        return "layered"
+    if step.native is not None:
+        return "native"
+    return "compiled" if step.compiled else "python"

@@ -52,6 +52,11 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def fill_len(self) -> int:
+        """len(fill_ids), without building the list."""
+        return len(self.prompt_ids) + len(self.sampling.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

@@ -17,6 +17,27 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 CPU_MAX_TOTAL_TOKENS = 1 << 18
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on (hyper-threads of one core count once)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))  # fmt: skip
+        except OSError:  # no sysfs topology: count the logical CPU
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def default_threads(threads: int | None) -> int:
+    """`--threads`, else OMP_NUM_THREADS when set, else one per physical core."""
+    if threads is not None:
+        return threads
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -43,24 +43,36 @@ def _or_none(t: torch.Tensor | None) -> torch.Tensor:
     return NONE if t is None else t.detach().contiguous()
 
 
+def _small(t: torch.Tensor | None) -> torch.Tensor:
+    """Norm weights, biases: fp32 copies (a bf16 model's included; they are tiny)."""
+    return NONE if t is None else t.detach().float().contiguous()
+
+
 def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float]]:
-    """The tensors, ints and floats of one layer, in cpu_decode.cpp's Slot / Int / Float order."""
+    """The tensors, ints and floats of one layer, in cpu_decode_layer.h's Slot / Int / Float
+    order. Matrices keep their dtype (fp32 or bf16: the native loops read either)."""
     attn: MLAttention = layer.self_attn
     mlp = layer.mlp
     moe = isinstance(mlp, MoE)
     dense = mlp.shared_experts if moe else mlp
     idx = attn.indexer
+    small = [layer.input_layernorm.weight, weights.b_in, attn.q_a_layernorm.weight,
+             attn.kv_a_layernorm.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+             mlp.gate.e_score_correction_bias if moe else None,
+             idx.k_norm.weight if idx is not None else None,
+             idx.k_norm.bias if idx is not None else None]  # fmt: skip
+    in_norm, b_in, qa_norm, kv_norm, b_o, post_norm, router_bias, k_norm_w, k_norm_b = (
+        _small(t) for t in small
+    )
     tensors = [
-        layer.input_layernorm.weight, weights.w_in, weights.b_in, attn.q_a_layernorm.weight,
-        weights.w_qres, attn.kv_a_layernorm.weight, weights.w_uk, weights.w_uv_t,
-        attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-        weights.mlp_gate_up, dense.down_proj.weight,
-        mlp.gate.weight if moe else None, mlp.gate.e_score_correction_bias if moe else None,
-        mlp.experts.gate_up_proj if moe else None, mlp.experts.down_proj if moe else None,
-        idx.k_norm.weight if idx is not None else None,
-        idx.k_norm.bias if idx is not None else None,
+        in_norm, _or_none(weights.w_in), b_in, qa_norm, _or_none(weights.w_qres), kv_norm,
+        weights.w_uk.transpose(1, 2).contiguous(),  # [H, rank, nope]
+        weights.w_uv_t.transpose(1, 2).contiguous(),  # [H, v, rank]
+        _or_none(attn.o_proj.weight), b_o, post_norm, _or_none(weights.mlp_gate_up),
+        _or_none(dense.down_proj.weight), _or_none(mlp.gate.weight if moe else None),
+        router_bias, _or_none(mlp.experts.gate_up_proj if moe else None),
+        _or_none(mlp.experts.down_proj if moe else None), k_norm_w, k_norm_b,
     ]  # fmt: skip
-    tensors = [_or_none(t) for t in tensors]
     config = layer.mlp.gate if moe else None
     ints = [
         attn.layer_id, idx.cache_index if idx is not None else -1, attn.q_a_proj.weight.shape[0],
@@ -78,11 +90,15 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float
     return tensors, ints, [float(f) for f in floats]
 
 
-def build(layers: list[nn.Module], weights: list) -> object | None:
-    """A DecodeLayers over `layers` (with their FusedDecode weights), or None without the build."""
+def build(model: nn.Module, layers: list[nn.Module], weights: list) -> object | None:
+    """A DecodeLayers over `layers` (with their FusedDecode weights) and the model's embedding,
+    final norm and LM head, or None without the build."""
     module = extension()
     if module is None:
         return None
     fields = [layer_fields(layer, w) for layer, w in zip(layers, weights)]
+    norm = model.model.norm
+    head = [_or_none(model.model.embed_tokens.weight), _small(norm.weight),
+            _or_none(model.lm_head.weight)]  # fmt: skip
     return module.DecodeLayers([f[0] for f in fields], [f[1] for f in fields],
-                               [f[2] for f in fields])  # fmt: skip
+                               [f[2] for f in fields], head, float(norm.eps))  # fmt: skip

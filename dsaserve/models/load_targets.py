@@ -26,7 +26,7 @@ class Target:
     dtype: torch.dtype
     filled: bool = False
     pieces: set[tuple[int, str]] = field(default_factory=set)
-    shard: object = None  # a distributed.linear Shard / ExpertShard: this rank's slice
+    shard: object = None  # a layers/linear.py Shard / ExpertShard: this rank's slice
 
     def shard_dim(self, ndim: int) -> int:
         """The checkpoint dim the shard splits (pieces are joined along it)."""
