@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the kernels are JITFunctions)
 
 import triton  # noqa: E402
+from gpu_check_report import detail, summary, table  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-TARGETS = (90, 100)  # H100 / H200, B200 / B300: the checked ones
+TARGETS = (90, 100)  # H100 / H200, B200: the ones CI checks
 # cudaDevAttrMaxSharedMemoryPerBlockOptin, what Triton checks a launch against
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 DEFAULT_CACHE = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton/cache")).parent
@@ -173,43 +174,6 @@ def compile_all(launches: dict[int, list], cache: Path, workers: int) -> list[di
              "labels": labels[k][:3]} for k in jobs]  # fmt: skip
 
 
-def summary(results: list[dict]) -> list[dict]:
-    """Per (kernel, target): launches, compiles, failures, register / spill / shared ranges, the
-    instruction families."""
-    groups = defaultdict(list)
-    for r in results:
-        groups[(r["kernel"], r["target"])].append(r)
-    rows = []
-    for (kernel, cc), rs in sorted(groups.items()):
-        ok = [r for r in rs if r["ok"]]
-        rows.append({
-            "kernel": kernel.strip("_").removesuffix("_kernel"), "target": f"sm_{cc}",
-            "launches": sum(r["launches"] for r in rs), "compiles": len(rs),
-            "failed": len(rs) - len(ok), "spilling": sum(r["spill_stores"] > 0 for r in ok),
-            "registers": _range(r["registers"] for r in ok),
-            "spill_stores": _range(r["spill_stores"] for r in ok),
-            "shared": _range(r["shared"] for r in ok),
-            "over_shared": sum(r["shared"] > r["shared_limit"] for r in ok),
-            "family": " ".join(sorted({r["family"] for r in ok})),
-        })  # fmt: skip
-    return rows
-
-
-def _range(values) -> str:
-    values = sorted(values)
-    if not values:
-        return "-"
-    return str(values[0]) if values[0] == values[-1] else f"{values[0]}-{values[-1]}"
-
-
-def table(rows: list[dict]) -> str:
-    cols = ("kernel", "target", "launches", "compiles", "failed", "spilling", "registers",
-            "spill_stores", "shared", "over_shared", "family")  # fmt: skip
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Ahead-of-time compile report of our kernels")
     parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS))
@@ -217,12 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=DEFAULT_CACHE / "dsaserve-compile-check")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--only", default="", help="claims whose name contains this")
+    parser.add_argument("--detail", action="store_true", help="a row per kernel configuration")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     launches = record_all(args.targets, args.only)
     results = compile_all(launches, args.cache, args.workers)
     rows = summary(results)
-    print(table(rows))
+    print(table(detail(results) if args.detail else rows))
     wall = time.perf_counter() - started
     fresh = sum(not r["cached"] for r in results)
     count = sum(len(v) for v in launches.values())

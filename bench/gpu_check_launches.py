@@ -131,10 +131,11 @@ def _attention(claim: Claim, kv: str) -> None:
         weights = torch.empty(rows, s.index_heads, device=META)
         label = f"{claim.name} {kv} cache, {rows} rows x {context}"
         _until_launch(label, indexer_scores, q, weights, keys, table, valid)
-        width = min(context, s.index_topk)  # the top-k entries, or the whole context
+        width = min(context, s.index_topk)  # the top-k entries (gathered), or the context
         q = torch.empty(rows, s.heads, s.rank + s.rope, dtype=claim.compute, device=META)
-        _until_launch(label, sparse_mla_decode, q, cache, table[:, :width], valid[:, :width],
-                      s.rank, 0.1)  # fmt: skip
+        table = torch.empty(rows, width, dtype=torch.long, device=META)
+        valid = torch.empty(rows, width, dtype=torch.bool, device=META)
+        _until_launch(label, sparse_mla_decode, q, cache, table, valid, s.rank, 0.1)
 
 
 def _linears(claim: Claim) -> None:
