@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the kernels are JITFunctions)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from gpu_check_report import detail, summary, table  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -45,8 +46,10 @@ from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 TARGETS = (90, 100)  # H100 / H200, B200: the ones CI checks
 # cudaDevAttrMaxSharedMemoryPerBlockOptin, what Triton checks a launch against
-SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 103: 232448,
+                120: 101376}  # fmt: skip
 DEFAULT_CACHE = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton/cache")).parent
+CPU = torch.device("cpu")  # what the recorded launch code runs on (its target is forced)
 MMA = (("tcgen05", r"tcgen05\.mma\.\S+"), ("wgmma", r"wgmma\.mma_async\.\S+"),
        ("mma", r"\bmma\.sync\.\S+"))  # fmt: skip
 
@@ -136,17 +139,21 @@ def _worker_init(cache: str) -> None:
 
 
 def record_all(targets, only: str = "") -> dict[int, list]:
-    """The launches per target, recorded once per class of target the launch code tells apart
-    (FP8 in hardware or not: kernels/gpu_target.py)."""
+    """The launches per target, recorded once per kind of target the launch code tells apart
+    (kernels/gpu_target.py: FP8 in hardware, wgmma / tcgen05)."""
     from gpu_check_launches import record_launches
 
-    from dsaserve.kernels.gpu_target import FP8_HARDWARE
+    from dsaserve.kernels.gpu_target import as_target, fp8_in_hardware, has_wgmma
 
-    recorded = {}
+    def kind(cc: int) -> tuple[bool, bool]:
+        with as_target(cc // 10, cc % 10):
+            return fp8_in_hardware(CPU), has_wgmma(CPU)
+
+    recorded: dict[tuple[bool, bool], list] = {}
     for cc in targets:
-        kind = (cc // 10, cc % 10) >= FP8_HARDWARE
-        recorded.setdefault(kind, record_launches(cc, only))
-    return {cc: recorded[(cc // 10, cc % 10) >= FP8_HARDWARE] for cc in targets}
+        if kind(cc) not in recorded:
+            recorded[kind(cc)] = record_launches(cc, only)
+    return {cc: recorded[kind(cc)] for cc in targets}
 
 
 def compile_all(launches: dict[int, list], cache: Path, workers: int) -> list[dict]:
@@ -174,6 +181,21 @@ def compile_all(launches: dict[int, list], cache: Path, workers: int) -> list[di
              "labels": labels[k][:3]} for k in jobs]  # fmt: skip
 
 
+def dumps(report: dict, results: list[dict]) -> str:
+    """The report as JSON with one line a summary row and a result (diffable, not huge)."""
+    head = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in report.items()
+                      if k != "summary")  # fmt: skip
+    rows = ",\n".join(f"  {json.dumps(r)}" for r in report["summary"])
+    lines = ",\n".join(f"  {json.dumps(r)}" for r in results)
+    return f'{{\n{head},\n "summary": [\n{rows}\n ],\n "results": [\n{lines}\n ]\n}}\n'
+
+
+def _compact(result: dict) -> dict:
+    """A result as the report keeps it: pointer arguments' dtypes only, two launch labels."""
+    pointers = {k: v for k, v in result["signature"].items() if v.startswith("*")}
+    return {**result, "signature": pointers, "labels": result["labels"][:2]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Ahead-of-time compile report of our kernels")
     parser.add_argument("--targets", type=int, nargs="+", default=list(TARGETS))
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="claims whose name contains this")
     parser.add_argument("--detail", action="store_true", help="a row per kernel configuration")
     args = parser.parse_args(argv)
+    if not set(args.targets) <= set(SHARED_LIMIT):
+        parser.error(f"--targets: one of {sorted(SHARED_LIMIT)} (compute capability x 10)")
     started = time.perf_counter()
     launches = record_all(args.targets, args.only)
     results = compile_all(launches, args.cache, args.workers)
@@ -190,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(detail(results) if args.detail else rows))
     wall = time.perf_counter() - started
     fresh = sum(not r["cached"] for r in results)
-    count = sum(len(v) for v in launches.values())
+    count = sum(len(v) for v in {id(v): v for v in launches.values()}.values())  # once each
     print(f"{count} launches, {len(results)} compiles ({fresh} not cached), {wall:.0f} s")
     report = {"triton": triton.__version__, "targets": args.targets, "wall_s": wall,
-              "launches": count, "summary": rows, "results": results}  # fmt: skip
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+              "launches": count, "summary": rows}  # fmt: skip
+    Path(args.out).write_text(dumps(report, [_compact(r) for r in results]))
     return 0
 
 

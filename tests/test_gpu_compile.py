@@ -74,3 +74,15 @@ def test_every_launch_compiles_clean_for_sm90_and_sm100(tmp_path) -> None:
         if r["family"] != expected_family(r):
             problems.append(f"{where}: {r['family']} ({r['mma']}), not {expected_family(r)}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_planner_says_which_gpus_are_checked() -> None:
+    """The hardware list claims "checked in CI" for exactly the targets compiled above; GPUs
+    below sm_80 and AMD's are refused (kernels/gpu_target.py)."""
+    from dsaserve.deploy.hardware import HARDWARE, TRITON_SUPPORT
+
+    checked = {cc for cc, line in TRITON_SUPPORT.items() if "checked in CI" in line}
+    assert checked == set(TARGETS)
+    assert {hw.sm for hw in HARDWARE.values() if hw.sm in checked} == set(TARGETS)
+    assert all("refused" in HARDWARE[name].triton_kernels for name in ("MI300X", "MI355X"))
+    assert "refused" in TRITON_SUPPORT["older"]

@@ -63,11 +63,11 @@ TRITON_SUPPORT = {
     90: "checked in CI for sm_90: compiles without spills, wgmma (mma.sync for 16-head attention)",
     100: "checked in CI for sm_100: compiles without spills, tcgen05 (mma.sync for 16-head "
     "attention)",
-    103: "the sm_100 kernels, compiled by Triton for sm_103 (not checked separately)",
-    89: "the same kernels, mma.sync tiles within 99 KB of shared memory (compile report only)",
-    120: "the same kernels, mma.sync tiles within 99 KB of shared memory (compile report only)",
+    103: "the sm_100 kernels (compile report, not CI: no spills, tcgen05)",
+    89: "the same kernels on mma.sync within 99 KB of shared memory (compile report: no spills)",
+    120: "the same kernels on mma.sync within 99 KB of shared memory (compile report: no spills)",
     80: "FP8 kept as bytes and decoded to fp16 inside the kernels, no FP8 in hardware (compile "
-    "report only)",
+    "report: the 64-row FP8 GEMM tiles spill ~2.6 KB)",
     "older": "refused at start (needs sm_80): use the torch backends",
     "amd": "built and checked for NVIDIA only: refused at start, auto picks the torch backends",
     "cpu": "the torch kernels (the Triton ones run only under TRITON_INTERPRET=1, as in tests)",

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.gpu_target import fp8_in_hardware
+from dsaserve.kernels.gpu_target import fp8_in_hardware, has_wgmma
 from dsaserve.kernels.triton_support import e4m3_to_f32
 
 FP8 = torch.float8_e4m3fn
@@ -54,7 +54,9 @@ def tile(block_m: int, a_dtype: torch.dtype, w_dtype: torch.dtype, device: torch
     block_k = SCALE_BLOCK if fp8 else (16 if ieee else 64)
     swap = block_m < SWAP_BELOW and not ieee
     soft = fp8 and not fp8_in_hardware(device)
-    return Tile(block_m, SCALE_BLOCK, block_k, fp8, soft, ieee, swap, 8 if ieee else 4, 3)
+    # off wgmma / tcgen05, a 64-row mma.sync tile spilled at 4 warps (docs/gpu.md): 8 warps there
+    wide = ieee or (block_m >= SWAP_BELOW and not has_wgmma(device))
+    return Tile(block_m, SCALE_BLOCK, block_k, fp8, soft, ieee, swap, 8 if wide else 4, 3)
 
 
 def operands(a: torch.Tensor, w: torch.Tensor, t: Tile) -> tuple[torch.Tensor, torch.Tensor]:
