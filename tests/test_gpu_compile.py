@@ -30,13 +30,13 @@ def expected_family(result: dict) -> str:
     if kernel == "_indexer_scores_kernel":
         return "fma"
     if kernel == "_sparse_mla_kernel":
-        if constexprs["DOT"] == "fp32":
+        if constexprs.get("DOT", "fp32") == "fp32":
             return "fma"
         wide = constexprs["BLOCK_H"] >= 64
     else:
-        if constexprs["IEEE"]:
+        if constexprs.get("IEEE"):
             return "fma"
-        wide = constexprs["SWAP"] or constexprs["BLOCK_M"] >= 64
+        wide = constexprs.get("SWAP") or constexprs["BLOCK_M"] >= 64
     return {90: "wgmma", 100: "tcgen05"}[result["target"]] if wide else "mma"
 
 
