@@ -4,7 +4,8 @@ The launch functions (`sparse_mla_decode`, `indexer_scores`, `fp8_gemm`, `groupe
 on `meta` tensors with `JITFunction.run` swapped for a recorder, so what they pick (block sizes,
 warps, dtypes, which integer arguments are multiples of 16) is exactly what a GPU would compile:
 a new configuration in the launch code shows up here without editing this file.
-bench/gpu_check_compile.py compiles each distinct one ahead of time.
+bench/gpu_check_compile.py compiles each distinct one ahead of time (and imports this module with
+TRITON_INTERPRET unset: the kernels must be JITFunctions).
 
 Claimed: GLM-5.3 at TP1, TP8 (experts split) and EP8 (whole experts), its BF16 checkpoint at TP8
 and EP8, DeepSeek-V3.2 at TP1, TP8 and EP8, and the embedded model (fp32); each with a bf16, FP8
@@ -29,6 +30,10 @@ from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
 from dsaserve.engine.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
 from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
 from dsaserve.kernels.gpu_target import as_target
+from dsaserve.kernels.triton_fp8_gemm import fp8_linear
+from dsaserve.kernels.triton_indexer import indexer_scores
+from dsaserve.kernels.triton_moe import grouped_experts
+from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
 
 META = torch.device("meta")
 EMBEDDED = Path(__file__).resolve().parents[1] / "dsaserve/assets/default_model/config.json"
@@ -119,9 +124,6 @@ def _caches(claim: Claim, kv: str, slots: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _attention(claim: Claim, kv: str) -> None:
-    from dsaserve.kernels.triton_indexer import indexer_scores
-    from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
-
     s = claim.shapes
     cache, keys = _caches(claim, kv, 1 << 16)
     for rows, context in decode_shapes(claim):
@@ -139,8 +141,6 @@ def _attention(claim: Claim, kv: str) -> None:
 
 
 def _linears(claim: Claim) -> None:
-    from dsaserve.kernels.triton_fp8_gemm import fp8_linear
-
     s = claim.shapes
     shapes = {**linear_shapes(s), "dense gate/up": (s.dense_inter, s.hidden),
               "dense down": (s.hidden, s.dense_inter), "shared gate/up": (s.shared_inter, s.hidden),
@@ -154,8 +154,6 @@ def _linears(claim: Claim) -> None:
 
 
 def _experts(claim: Claim) -> None:
-    from dsaserve.kernels.triton_moe import grouped_experts
-
     s = claim.shapes
     dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16, "fp32": torch.float32}
     weights = {"gate_up_proj": (s.experts, 2 * s.expert_inter, s.hidden),

@@ -18,7 +18,7 @@ kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` / `flash
 takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise
 our Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`)
 resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line, and on
-a GPU older than sm_80 so is `triton` (`auto` takes torch there; kernels/gpu_target.py).
+a GPU older than sm_80 or a ROCm one so is `triton` (`auto` takes torch; kernels/gpu_target.py).
 """
 
 from __future__ import annotations

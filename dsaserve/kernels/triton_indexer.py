@@ -19,7 +19,7 @@ import triton.language as tl
 
 from dsaserve.engine.kv_quant import is_fp8
 from dsaserve.kernels.gpu_target import fp8_in_hardware
-from dsaserve.kernels.triton_support import e4m3_to_f32
+from dsaserve.kernels.triton_support import load_e4m3
 from dsaserve.layers.topk import topk_earliest
 
 BLOCK_L = 64
@@ -50,12 +50,7 @@ def _indexer_scores_kernel(
         kptr = cache_ptr + slot[:, None] * cache_stride + ds[None, :]
         kmask = in_l[:, None] & (ds[None, :] < D)
         if FP8:
-            raw = tl.load(kptr, mask=kmask, other=0)
-            if SOFT_FP8:
-                k = e4m3_to_f32(raw)
-            else:
-                k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            k = k * key_scale[:, None]
+            k = load_e4m3(kptr, kmask, SOFT_FP8) * key_scale[:, None]
         else:
             k = tl.load(kptr, mask=kmask, other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), s, input_precision="ieee")  # [BLOCK_H, BLOCK_L]

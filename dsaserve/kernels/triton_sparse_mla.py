@@ -28,7 +28,7 @@ import triton.language as tl
 
 from dsaserve.engine.kv_quant import group_size, is_fp8
 from dsaserve.kernels.gpu_target import fp8_in_hardware, has_wgmma
-from dsaserve.kernels.triton_support import e4m3_to_f32
+from dsaserve.kernels.triton_support import load_e4m3
 
 TARGET_PROGRAMS = 256
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -43,11 +43,7 @@ def _latent(cache_ptr, scale_ptr, slot, ok, cache_stride, scale_stride, scale_of
     kmask = ok[:, None] & (rs[None, :] < R)
     ptrs = cache_ptr + slot[:, None] * cache_stride + rs[None, :]
     if FP8:
-        raw = tl.load(ptrs, mask=kmask, other=0)
-        if SOFT_FP8:
-            k = e4m3_to_f32(raw)
-        else:
-            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        k = load_e4m3(ptrs, kmask, SOFT_FP8)
         gs = tl.arange(0, BLOCK_R // GROUP)
         scale = tl.load(scale_ptr + slot[:, None] * scale_stride + scale_offset + gs[None, :],
                         mask=ok[:, None] & (gs[None, :] < R // GROUP), other=0.0)  # fmt: skip

@@ -27,6 +27,16 @@ def e4m3_to_f32(raw):
     return tl.where((bits & 0x80) != 0, -value, value)
 
 
+@triton.jit
+def load_e4m3(ptrs, mask, SOFT: tl.constexpr):
+    """The e4m3 bytes at `ptrs` as fp32 (0 where not `mask`): converted in hardware (sm_89+),
+    or decoded with integer ops (SOFT: sm_80)."""
+    raw = tl.load(ptrs, mask=mask, other=0)
+    if SOFT:
+        return e4m3_to_f32(raw)
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
 def fix_interpreter_dot() -> None:
     """Make the interpreter's tl.dot read bf16 operands as numbers (once)."""
     from triton.runtime import interpreter
