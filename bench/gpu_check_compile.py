@@ -117,7 +117,7 @@ def compile_one(job: tuple) -> dict:
             compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
                                       options=options.__dict__)  # fmt: skip
     except Exception as e:  # noqa: BLE001 (a compile error is the result)
-        return {**result, "ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}",
+        return {**result, "ok": False, "error": f"{type(e).__name__}: {str(e)[-2000:]}",
                 "seconds": time.perf_counter() - started}  # fmt: skip
     family, mma = instruction(compiled.asm["ptx"])
     return {**result, **parse_ptxas(log.getvalue()), "ok": True, "error": "",

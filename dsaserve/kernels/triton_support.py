@@ -32,9 +32,11 @@ def load_e4m3(ptrs, mask, SOFT: tl.constexpr):
     """The e4m3 bytes at `ptrs` as fp32 (0 where not `mask`): converted in hardware (sm_89+),
     or decoded with integer ops (SOFT: sm_80)."""
     raw = tl.load(ptrs, mask=mask, other=0)
-    if SOFT:
-        return e4m3_to_f32(raw)
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if SOFT:  # one return: after an early one Triton would still emit the e4m3 conversion
+        value = e4m3_to_f32(raw)
+    else:
+        value = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return value
 
 
 def fix_interpreter_dot() -> None:
