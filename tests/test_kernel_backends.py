@@ -119,3 +119,19 @@ def test_cuda_auto_picks_triton_and_decodes_like_the_reference(tmp_path) -> None
         assert llm.engine.kernels.names["sparse_mla"] == expected
         outs[backend] = llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids
     assert outs["auto"] == outs["torch"]
+
+
+def test_gpus_older_than_sm80_refuse_triton_in_one_line(monkeypatch) -> None:
+    """sm_75 (T4): `triton` is refused at start naming the GPU; `auto` takes the torch kernels.
+    sm_80 (A100, FP8 decoded in the kernels) and newer keep Triton."""
+    from dsaserve.kernels import gpu_target
+    from dsaserve.kernels.registry import BackendError, resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla T4")
+    with gpu_target.as_target(7, 5):
+        assert resolve("sparse_mla", "auto", "cuda", "--dsa-decode-backend") == "torch"
+        with pytest.raises(BackendError, match=r"^--moe-runner-backend triton: Tesla T4 \(sm_75\)"):
+            resolve("moe", "triton", "cuda", "--moe-runner-backend")
+    with gpu_target.as_target(8, 0):
+        assert resolve("sparse_mla", "auto", "cuda", "--dsa-decode-backend") == "triton"
