@@ -21,7 +21,7 @@ from dsaserve.args import ServerArgs
 from dsaserve.cluster import addresses
 from dsaserve.cluster.secret import cluster_secret
 from dsaserve.cluster.zmq_auth import ZmqAuth
-from dsaserve.disaggregation import bootstrap, kv_layout
+from dsaserve.disaggregation import bootstrap, kv_regions
 from dsaserve.disaggregation.protocol import (
     FrameError,
     KVPoll,
@@ -200,7 +200,7 @@ def test_prefill_frames_parse_or_raise_frame_error(frames: list[bytes]) -> None:
     if isinstance(message, TransferInfo):
         assert 0 <= message.room < 2**63 and min(message.pages, default=0) >= 0
     if isinstance(message, Registration):
-        kv_layout.mismatch({}, message.layout)  # a malformed layout is named, never raised
+        kv_regions.mismatch({}, message.layout)  # a malformed layout is named, never raised
 
 
 @settings(max_examples=300, deadline=None)
@@ -227,7 +227,7 @@ def test_frames_name_what_is_wrong() -> None:
     for expected, frames in cases.items():
         with pytest.raises(FrameError, match=expected):
             parse_to_prefill(frames)
-    assert "malformed" in kv_layout.mismatch({}, {"kv_ptr": "0x10"})
+    assert "malformed" in kv_regions.mismatch({}, {"kv_ptr": "0x10"})
 
 
 # ---- CURVE between ZMQ peers -----------------------------------------------------------------

@@ -32,8 +32,8 @@ from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
+from dsaserve.runtime.preflight import check_layout
 from dsaserve.server import launch
-from dsaserve.server.launch import check_layout
 
 HOSTABLE = 4  # ranks this machine runs (two cores; tests run up to 4 ranks)
 OPTIONS = {

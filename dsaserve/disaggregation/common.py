@@ -23,7 +23,7 @@ from dsaserve.cluster.addresses import advertise_host, internal_host, is_loopbac
 from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.cluster.secret import cluster_secret
 from dsaserve.cluster.zmq_auth import ZmqAuth
-from dsaserve.disaggregation import aux, kv_layout
+from dsaserve.disaggregation import aux, kv_regions
 from dsaserve.disaggregation.protocol import FrameError
 from dsaserve.disaggregation.transfer import create
 from dsaserve.engine.io import RequestOutput
@@ -59,14 +59,14 @@ class RoleEngine:
         self.frames = FrameLog(logger, f"the {self.role}'s peers")
         self.aux = aux.buffer(aux_slots)
         pool = engine.pool
-        self.layout = kv_layout.describe(pool, engine.with_mtp, self.aux)
+        self.layout = kv_regions.describe(pool, engine.with_mtp, self.aux)
         self.agent_name = f"dsaserve-{self.role}-{self.session}"
         if is_loopback(self.bind_host):  # UCX's TCP transport then listens on loopback too
             os.environ.setdefault("UCX_NET_DEVICES", "lo")
         backend = args.disaggregation_transfer_backend
         self.transfer = create(backend, self.agent_name, advertise_host(args),
                                args.disaggregation_ib_device)  # fmt: skip
-        self.transfer.register(kv_layout.regions(pool, self.aux))
+        self.transfer.register(kv_regions.regions(pool, self.aux))
         self.counters = {"pd_rooms_ok": 0, "pd_rooms_failed": 0, "pd_rooms_aborted": 0,
                          "pd_bytes": 0, "pd_transfer_seconds": 0.0, "pd_checksum_layers_ok": 0,
                          "pd_checksum_mismatches": 0}  # fmt: skip
@@ -93,6 +93,9 @@ class RoleEngine:
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
+
+    def idle(self) -> bool:
+        return self.engine.idle()  # one rank: nothing to join
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters, "pd_role": self.role,
