@@ -1,14 +1,23 @@
 """Join the ranks with torch.distributed (NCCL on CUDA, gloo on CPU) and build their groups.
 
-The rendezvous address is `--dist-init-addr HOST:PORT`, or on one node a port the OS picks.
-`init_rank` joins the world as one rank and returns its `ParallelState` (the attention groups, a
-gloo group beside NCCL, the shared-memory collectives of one node's CPU ranks). Which process runs
-which rank is the runtime's (runtime/ranks.py).
+The rendezvous address is `--dist-init-addr HOST:PORT`, or on one node 127.0.0.1 and a port the
+OS picks. `init_rank` joins the world as one rank and returns its `ParallelState` (the attention
+groups, a gloo group beside NCCL, the shared-memory collectives of one node's CPU ranks). Which
+process runs which rank is the runtime's (runtime/ranks.py).
+
+Where the ranks listen (docs/server.md, "Ports"): rank 0's torch.distributed store listens on the
+rendezvous address only (PyTorch's own store would listen on every interface): on one node that
+is loopback, so no other machine can reach it. gloo's pairs bind the interface that holds (or
+reaches) that address (`GLOO_SOCKET_IFNAME`, unless it is set), not whatever the hostname
+resolves to. Neither is authenticated: beyond loopback, runtime/preflight.py refuses a
+`--dist-init-addr` without the cluster secret, and the network between the nodes must be trusted.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -17,9 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsaserve.cluster.addresses import interface_of, is_local_address, route_source
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.distributed.shm_comm import ShmGroup
 from dsaserve.distributed.shm_comm import supported as shm_supported
+
+logger = logging.getLogger(__name__)
 
 
 class RendezvousError(RuntimeError):
@@ -67,9 +79,13 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     if device_type == "cuda":
         torch.cuda.set_device(rank % sizes.ranks_per_node)
     timeout = datetime.timedelta(seconds=args.watchdog_timeout)
+    _pin_gloo_interface(where.host)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{where}", rank=rank,
-                                world_size=sizes.tp, timeout=timeout)  # fmt: skip
+        store = _store(where, rank, sizes.tp, timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=sizes.tp,
+                                timeout=timeout)  # fmt: skip
+    except RendezvousError:
+        raise
     except RuntimeError as e:  # DistStoreError / DistNetworkError: nobody met us there in time
         raise RendezvousError(
             f"--dist-init-addr {where}: the ranks did not meet within {timeout.total_seconds():g}s"
@@ -89,6 +105,39 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     if shm_supported(device_type, sizes.nnodes) and not args.disable_custom_all_reduce:
         _map_shm(state, args.watchdog_timeout)
     return state
+
+
+def _store(where: Endpoint, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store: rank 0 serves it on `where` alone, the others connect there."""
+    if rank != 0:
+        return dist.TCPStore(where.host, where.port, world, False, timeout)
+    family, kind, _, _, address = socket.getaddrinfo(where.host, where.port,
+                                                     type=socket.SOCK_STREAM)[0]  # fmt: skip
+    listener = socket.socket(family, kind)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind(address)
+    except OSError as e:  # e.g. a NAT address that no interface here holds
+        if not is_local_address(where.host):
+            logger.warning("--dist-init-addr %s is not an address of this machine (%s): the "
+                           "store listens on every interface", where, e.strerror)  # fmt: skip
+            listener.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", where.port))
+        else:
+            listener.close()
+            raise RendezvousError(f"--dist-init-addr {where}: {e.strerror}") from None
+    listener.listen(1024)
+    return dist.TCPStore(where.host, where.port, world, True, timeout,
+                         master_listen_fd=listener.detach())  # fmt: skip
+
+
+def _pin_gloo_interface(host: str) -> None:
+    """gloo binds the interface that holds `host` (node 0) or reaches it (the other nodes)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    local = host if is_local_address(host) else route_source(host)
+    name = interface_of(local) if local else None
+    if name:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def _map_shm(state: ParallelState, timeout: float) -> None:

@@ -30,7 +30,7 @@ from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.rounds import Stopped
 from dsaserve.engine.startup import pick_device
-from dsaserve.runtime import ipc
+from dsaserve.runtime import heartbeat, ipc
 from dsaserve.runtime.ranks import LocalRanks, start_ranks
 
 IDLE_POLL_MS = 200
@@ -75,6 +75,7 @@ def run_engine_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_starting)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    heartbeat.start_beating(paths.heartbeat, 0)  # rank 0; /health reads it (runtime/heartbeat.py)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(paths.to_engine)

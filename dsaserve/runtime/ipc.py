@@ -97,16 +97,24 @@ class IpcPaths(msgspec.Struct):
         folder = tempfile.mkdtemp(prefix="dsaserve-ipc-")
         return cls(f"ipc://{folder}/to_engine", f"ipc://{folder}/from_engine")
 
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.to_engine.removeprefix("ipc://"))
+
+    @property
+    def heartbeat(self) -> str:
+        """This node's ranks' heartbeat file (runtime/heartbeat.py), beside the sockets."""
+        return os.path.join(self.folder, "heartbeat")
+
     def for_group(self, group: int) -> IpcPaths:
         """DP attention: group g's leader has its own request socket; outputs share one."""
         return IpcPaths(self.to_engine + (f"_{group}" if group else ""), self.from_engine)
 
     def cleanup(self, groups: int = 1) -> None:
         extra = [self.for_group(g).to_engine for g in range(1, groups)]
-        for address in (self.to_engine, self.from_engine, *extra):
-            path = address.removeprefix("ipc://")
+        sockets = [a.removeprefix("ipc://") for a in (self.to_engine, self.from_engine, *extra)]
+        for path in (*sockets, self.heartbeat):
             if os.path.exists(path):
                 os.unlink(path)
-        folder = os.path.dirname(self.to_engine.removeprefix("ipc://"))
-        if os.path.isdir(folder) and not os.listdir(folder):
-            os.rmdir(folder)
+        if os.path.isdir(self.folder) and not os.listdir(self.folder):
+            os.rmdir(self.folder)

@@ -13,6 +13,7 @@ import time
 
 import torch.distributed as dist
 
+from dsaserve.runtime import heartbeat
 from dsaserve.runtime.follower import run_rank
 from dsaserve.runtime.ranks import WATCH_INTERVAL_S, RankJob
 
@@ -31,6 +32,8 @@ def rank_main(job: RankJob) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(job.parent_pid)
+    if job.paths is not None:  # a rank of the server's node 0: /health watches it
+        heartbeat.start_beating(job.paths.heartbeat, job.rank)
     code = 1
     try:
         code = run_rank(job)

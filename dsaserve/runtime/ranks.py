@@ -32,8 +32,9 @@ WATCH_INTERVAL_S = 0.2
 
 @dataclass(frozen=True)
 class RankJob:
-    """What a spawned rank is told, pickled on its stdin. `paths` and `factory` are for DP
-    attention, where the first rank of each group is an engine with its own request socket."""
+    """What a spawned rank is told, pickled on its stdin. `paths`: the server's IPC folder (the
+    heartbeat file, runtime/heartbeat.py; under DP attention the first rank of each group is an
+    engine with its own request socket, built by `factory`)."""
 
     args: ServerArgs
     rank: int

@@ -139,6 +139,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     @route("/health", ["GET"], gate=OPEN, response_class=Response)
     async def health(state: ServerState, request: Request) -> Any:
         _check_serving(state)
+        _check_heartbeats(state)
         return Response(status_code=200)
 
     @route("/health_generate", ["GET"], gate=OPEN, response_class=Response)
@@ -256,6 +257,15 @@ def _check_started(state: ServerState) -> None:
         raise APIError(503, "server is starting", retry_after=5)
 
 
+def _check_heartbeats(state: ServerState) -> None:
+    """503 while a rank of this node misses its heartbeat (a stopped or wedged process; the
+    watchdog ends it later): runtime/heartbeat.py."""
+    late = state.heartbeats.late() if state.heartbeats is not None else None
+    if late:
+        raise APIError(503, f"engine unavailable: {late}", code="rank_unresponsive",
+                       retry_after=5)  # fmt: skip
+
+
 def _check_serving(state: ServerState) -> None:
     if state.engine is not None and state.engine.dead is not None:
         raise APIError(503, f"engine unavailable: {state.engine.dead}", code="engine_dead")
@@ -300,6 +310,7 @@ def _model_card(state: ServerState) -> dict:
 
 async def _health_generate(state: ServerState) -> Response:
     _check_serving(state)
+    _check_heartbeats(state)
     tm = state.tokenizer_manager
     sampling = tm.sampling({"temperature": 0.0}, 1)
     requests = tm.make_requests(tm.encode("hi") or [0], sampling, f"health-{time.time_ns()}")

@@ -20,7 +20,9 @@ import uvicorn
 
 from dsaserve import process_tree
 from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.runtime import ipc
+from dsaserve.runtime.heartbeat import Heartbeats
 from dsaserve.runtime.node import serve_node
 from dsaserve.runtime.preflight import preflight
 from dsaserve.server.app import build_app
@@ -118,7 +120,9 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
         engine = EngineClient(paths)
     process = start_engine(args, paths, engine_factory)
     engine.start(process)
-    state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder())
+    ranks = ParallelSizes.from_args(args).ranks_per_node
+    state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder(),
+                        heartbeats=Heartbeats(paths.heartbeat, ranks))  # fmt: skip
     state.body_decoder.start()
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=5,

@@ -1,0 +1,147 @@
+"""Issue 32 for the engine process and its ranks (`--tp 2`, real gloo ranks):
+
+- what they open is this machine's alone: every TCP port the engine process and rank 1 listen on
+  (the torch.distributed store, gloo's pairs) is bound to 127.0.0.1, never a wildcard; the
+  API <-> engine sockets are `ipc://` files in a folder only this user may enter (0700), beside
+  the ranks' heartbeat file (0600);
+- a stopped rank is not healthy (item 4): with the watchdog far away (120 s), SIGSTOP of rank 1,
+  then of the engine process (rank 0), turns `/health` 503 within 5 s, naming the rank; SIGCONT
+  brings 200 back and the server still answers; nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_harness import running_server
+from tiny_models import make_checkpoint
+
+from dsaserve import process_tree
+from dsaserve.runtime.heartbeat import Heartbeats, start_beating
+
+PROMPT = [(7 * i + 3) % 300 + 1 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("heartbeat") / "ckpt", "glm", seed=5)
+
+
+def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(checkpoint: Path) -> None:
+    flags = ["--dtype", "float32", "--tp", "2", "--watchdog-timeout", "120"]
+    with running_server(checkpoint, *flags) as server:
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        engine = info["engine_pid"]
+        (rank1,) = [p.pid for p in process_tree.descendants(engine)]
+        tree = [p.pid for p in process_tree.descendants(server.process.pid)]
+        listening = _listening([engine, rank1])
+        assert listening and all(host == "127.0.0.1" for host, _ in listening), listening
+        folder = _ipc_folder(server.process.pid)
+        assert os.stat(folder).st_uid == os.getuid()
+        assert os.stat(folder).st_mode & 0o777 == 0o700
+        assert os.stat(Path(folder) / "heartbeat").st_mode & 0o777 == 0o600
+        want = _complete(server)
+        for pid, rank in ((rank1, 1), (engine, 0)):
+            assert _health(server).status_code == 200
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                while (answer := _health(server)).status_code == 200:
+                    assert time.monotonic() - started < 5.0, f"rank {rank} stopped, still 200"
+                    time.sleep(0.1)
+                assert answer.status_code == 503
+                assert f"no heartbeat from rank {rank}" in answer.json()["error"]["message"]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while _health(server).status_code != 200:
+                assert time.monotonic() < deadline, "the rank beats again, /health stays 503"
+                time.sleep(0.1)
+        assert _complete(server) == want  # the watchdog did not fire: still serving
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, "a process outlived the server"
+        time.sleep(0.2)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = fd.readlink().as_posix()
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    return inodes
+
+
+def _listening(pids: list[int]) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes listen on (/proc/net/tcp{,6})."""
+    inodes = set().union(*(_socket_inodes(pid) for pid in pids))
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].rsplit(":", 1)
+                packed = bytes.fromhex(address)
+                if len(packed) == 4:
+                    host = socket.inet_ntop(socket.AF_INET, packed[::-1])
+                else:  # four little-endian words
+                    words = b"".join(packed[i : i + 4][::-1] for i in range(0, 16, 4))
+                    host = socket.inet_ntop(socket.AF_INET6, words)
+                found.append((host, int(port, 16)))
+    return found
+
+
+def _ipc_folder(pid: int) -> str:
+    """The folder of the API process's ipc:// sockets (/proc/net/unix, by its sockets' inodes)."""
+    inodes = _socket_inodes(pid)
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) > 7 and fields[6] in inodes and "dsaserve-ipc-" in fields[7]:
+            return os.path.dirname(fields[7])
+    raise AssertionError("no ipc:// socket of the API process")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _health(server) -> httpx.Response:
+    return httpx.get(server.url + "/health", timeout=10)
+
+
+def _complete(server) -> str:
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+    r = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
+                                  extra_body={"ignore_eos": True})  # fmt: skip
+    return r.choices[0].text
+
+
+def test_heartbeats_name_the_late_and_the_missing_rank(tmp_path: Path) -> None:
+    path = str(tmp_path / "heartbeat")
+    beats = [start_beating(path, 1)]  # rank 1 beats; rank 0 never wrote
+    try:
+        time.sleep(0.2)
+        assert Heartbeats(path, 2).late() == "no heartbeat from rank 0 (never)"
+        assert Heartbeats(path, 1).late() == "no heartbeat from rank 0 (never)"
+        beats.append(start_beating(path, 0))
+        time.sleep(0.2)
+        assert Heartbeats(path, 2).late() is None
+        assert "rank 1 (" in Heartbeats(path, 2).late(stale_s=-1.0)
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert "cannot be read" in Heartbeats(str(tmp_path / "none"), 1).late()
+    finally:
+        for stop in beats:
+            stop.set()
