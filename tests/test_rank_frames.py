@@ -27,6 +27,7 @@ import zmq
 from fuzz_seed import run_seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from proc_sockets import alive, listening
 from tiny_models import make_checkpoint
 
 from dsaserve import process_tree
@@ -161,7 +162,7 @@ async def _fuzz(args: ServerArgs) -> None:
             run_seeded(FUZZ(given(TO_ENGINE)(_sender(sock))))
         with _injector(paths.from_engine) as inject:
             run_seeded(FUZZ(given(FROM_ENGINE)(_sender(inject))))
-        ports = _listening_ports([p.pid for p in processes])
+        ports = sorted({port for _, port in listening([p.pid for p in processes])})
         assert ports  # the store (rank 0) and gloo's listeners
         run_seeded(FUZZ(given(st.sampled_from(ports), st.binary(max_size=300))(_poke)))
         await asyncio.sleep(2.0)  # every frame read and dropped
@@ -169,13 +170,13 @@ async def _fuzz(args: ServerArgs) -> None:
         after = [await _generate(client, f"after-{i}", p) for i, p in enumerate(PROMPTS)]
         assert after == before
         assert client.dead is None
-        assert all(_alive(p.pid) for p in processes)
+        assert all(alive(p.pid) for p in processes)
     finally:
         await stop_engine(client, process, started=bool(processes))
         client.close()
         paths.cleanup(groups)
     deadline = time.monotonic() + 30
-    while any(_alive(p.pid) for p in processes):
+    while any(alive(p.pid) for p in processes):
         assert time.monotonic() < deadline, "a rank outlived the engine"
         await asyncio.sleep(0.2)
 
@@ -213,29 +214,3 @@ def _injector(address: str):
 def _poke(port: int, data: bytes) -> None:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 2) as conn:
         conn.sendall(data)
-
-
-def _listening_ports(pids: list[int]) -> list[int]:
-    """The TCP ports these processes listen on (from /proc: their sockets' inodes)."""
-    inodes = set()
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            with contextlib.suppress(OSError):
-                target = fd.readlink().as_posix()
-                if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return sorted(ports)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"

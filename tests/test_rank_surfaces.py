@@ -11,16 +11,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from proc_sockets import alive, ipc_folder, listening
 from server_harness import running_server
 from tiny_models import make_checkpoint
 
@@ -42,9 +41,9 @@ def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(checkpoint
         engine = info["engine_pid"]
         (rank1,) = [p.pid for p in process_tree.descendants(engine)]
         tree = [p.pid for p in process_tree.descendants(server.process.pid)]
-        listening = _listening([engine, rank1])
-        assert listening and all(host == "127.0.0.1" for host, _ in listening), listening
-        folder = _ipc_folder(server.process.pid)
+        ports = listening([engine, rank1])
+        assert ports and all(host == "127.0.0.1" for host, _ in ports), ports
+        folder = ipc_folder(server.process.pid)
         assert os.stat(folder).st_uid == os.getuid()
         assert os.stat(folder).st_mode & 0o777 == 0o700
         assert os.stat(Path(folder) / "heartbeat").st_mode & 0o777 == 0o600
@@ -67,55 +66,9 @@ def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(checkpoint
                 time.sleep(0.1)
         assert _complete(server) == want  # the watchdog did not fire: still serving
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in tree):
+    while any(alive(pid) for pid in tree):
         assert time.monotonic() < deadline, "a process outlived the server"
         time.sleep(0.2)
-
-
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(OSError):
-            target = fd.readlink().as_posix()
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    return inodes
-
-
-def _listening(pids: list[int]) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket these processes listen on (/proc/net/tcp{,6})."""
-    inodes = set().union(*(_socket_inodes(pid) for pid in pids))
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                address, port = fields[1].rsplit(":", 1)
-                packed = bytes.fromhex(address)
-                if len(packed) == 4:
-                    host = socket.inet_ntop(socket.AF_INET, packed[::-1])
-                else:  # four little-endian words
-                    words = b"".join(packed[i : i + 4][::-1] for i in range(0, 16, 4))
-                    host = socket.inet_ntop(socket.AF_INET6, words)
-                found.append((host, int(port, 16)))
-    return found
-
-
-def _ipc_folder(pid: int) -> str:
-    """The folder of the API process's ipc:// sockets (/proc/net/unix, by its sockets' inodes)."""
-    inodes = _socket_inodes(pid)
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        fields = line.split()
-        if len(fields) > 7 and fields[6] in inodes and "dsaserve-ipc-" in fields[7]:
-            return os.path.dirname(fields[7])
-    raise AssertionError("no ipc:// socket of the API process")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _health(server) -> httpx.Response:
