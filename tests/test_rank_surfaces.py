@@ -4,6 +4,8 @@
   (the torch.distributed store, gloo's pairs) is bound to 127.0.0.1, never a wildcard; the
   API <-> engine sockets are `ipc://` files in a folder only this user may enter (0700), beside
   the ranks' heartbeat file (0600);
+- rank 0's store keeps its keys under a name derived from the cluster secret: a process that
+  reaches its port without the secret finds none of them;
 - a stopped rank is not healthy (item 4): with the watchdog far away (120 s), SIGSTOP of rank 1,
   then of the engine process (rank 0), turns `/health` 503 within 5 s, naming the rank; SIGCONT
   brings 200 back and the server still answers; nothing outlives it.
@@ -11,19 +13,24 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
+import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+import torch.distributed as dist
 from proc_sockets import alive, ipc_folder, listening
 from server_harness import running_server
 from tiny_models import make_checkpoint
 
 from dsaserve import process_tree
+from dsaserve.distributed.rendezvous import Endpoint, rendezvous_store
 from dsaserve.runtime.heartbeat import Heartbeats, start_beating
 
 PROMPT = [(7 * i + 3) % 300 + 1 for i in range(40)]
@@ -98,3 +105,19 @@ def test_heartbeats_name_the_late_and_the_missing_rank(tmp_path: Path) -> None:
     finally:
         for stop in beats:
             stop.set()
+
+
+def test_the_rendezvous_store_listens_on_its_address_and_hides_its_keys() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    where, wait = Endpoint("127.0.0.1", port), datetime.timedelta(seconds=20)
+    args = SimpleNamespace(cluster_secret="rendezvous-secret", api_key=None)
+    store = rendezvous_store(args, where, 0, 1, wait)
+    store.set("default_pg/0", "10.0.0.7:4242")  # what a rank publishes for its peers
+    assert [(h, p) for h, p in listening([os.getpid()]) if p == port] == [("127.0.0.1", port)]
+    outsider = dist.TCPStore("127.0.0.1", port, 1, False, wait)  # reaches the port, no secret
+    assert not outsider.check(["default_pg/0"]) and not outsider.check(["dsaserve/default_pg/0"])
+    other = SimpleNamespace(cluster_secret="another-secret", api_key=None)
+    assert not rendezvous_store(other, where, 1, 1, wait).check(["default_pg/0"])
+    assert rendezvous_store(args, where, 1, 1, wait).get("default_pg/0") == b"10.0.0.7:4242"

@@ -9,8 +9,9 @@ Where the ranks listen (docs/server.md, "Ports"): rank 0's torch.distributed sto
 rendezvous address only (PyTorch's own store would listen on every interface): on one node that
 is loopback, so no other machine can reach it. gloo's pairs bind the interface that holds (or
 reaches) that address (`GLOO_SOCKET_IFNAME`, unless it is set), not whatever the hostname
-resolves to. Neither is authenticated: beyond loopback, runtime/preflight.py refuses a
-`--dist-init-addr` without the cluster secret, and the network between the nodes must be trusted.
+resolves to. The store's keys live under a name derived from the cluster secret; neither the
+store nor gloo authenticates a connection, so beyond loopback runtime/preflight.py refuses a
+`--dist-init-addr` without the secret, and the network between the nodes must be trusted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.cluster.addresses import interface_of, is_local_address, route_source
+from dsaserve.cluster.secret import cluster_secret, derive
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.distributed.shm_comm import ShmGroup
 from dsaserve.distributed.shm_comm import supported as shm_supported
@@ -81,7 +83,7 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     timeout = datetime.timedelta(seconds=args.watchdog_timeout)
     _pin_gloo_interface(where.host)
     try:
-        store = _store(where, rank, sizes.tp, timeout)
+        store = rendezvous_store(args, where, rank, sizes.tp, timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=sizes.tp,
                                 timeout=timeout)  # fmt: skip
     except RendezvousError:
@@ -107,10 +109,25 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     return state
 
 
-def _store(where: Endpoint, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
-    """The rendezvous store: rank 0 serves it on `where` alone, the others connect there."""
-    if rank != 0:
-        return dist.TCPStore(where.host, where.port, world, False, timeout)
+def rendezvous_store(
+    args: Any, where: Endpoint, rank: int, world: int, timeout: datetime.timedelta
+) -> dist.Store:
+    """The ranks' store: rank 0 serves it on `where` alone, the others connect there. Every key
+    lives under a namespace derived from the cluster secret, so a process that reaches the port
+    without the secret can neither read nor replace the ranks' entries (their gloo addresses):
+    it cannot guess a key, and the store lists none."""
+    if rank == 0:
+        store = dist.TCPStore(where.host, where.port, world, True, timeout,
+                              master_listen_fd=_listen(where).detach())  # fmt: skip
+    else:
+        store = dist.TCPStore(where.host, where.port, world, False, timeout)
+    secret = cluster_secret(args)
+    namespace = derive(secret, "rendezvous").hex() if secret else "dsaserve"
+    return dist.PrefixStore(namespace, store)
+
+
+def _listen(where: Endpoint) -> socket.socket:
+    """A socket listening on the rendezvous address (PyTorch's store would take every one)."""
     family, kind, _, _, address = socket.getaddrinfo(where.host, where.port,
                                                      type=socket.SOCK_STREAM)[0]  # fmt: skip
     listener = socket.socket(family, kind)
@@ -126,8 +143,7 @@ def _store(where: Endpoint, rank: int, world: int, timeout: datetime.timedelta) 
             listener.close()
             raise RendezvousError(f"--dist-init-addr {where}: {e.strerror}") from None
     listener.listen(1024)
-    return dist.TCPStore(where.host, where.port, world, True, timeout,
-                         master_listen_fd=listener.detach())  # fmt: skip
+    return listener
 
 
 def _pin_gloo_interface(host: str) -> None:
