@@ -3,7 +3,8 @@
 Through the openai SDK, fp32 random checkpoints (GLM with a shared indexer layer and an MTP layer,
 EAGLE on; DeepSeek-V3.2 with YaRN), prompts longer than index_topk and than the prefill chunk,
 a radix-cache hit: greedy tokens identical and per-step logprobs within 1e-4 for every layout.
-Faults: kill -9 of a rank mid-stream, of node 1; the process tree is checked empty after.
+Faults: kill -9 of a rank mid-stream, of node 1; SIGSTOP of node 1's rank (/health 503 within
+5 s, runtime/heartbeat.py); the process tree is checked empty after.
 """
 
 from __future__ import annotations
@@ -226,6 +227,25 @@ def hang_rank(server, timeout: float) -> None:
     assert_gone([*engine, *ranks])
 
 
+def stop_node1_rank(server, rank_pid: int) -> None:
+    """SIGSTOP of node 1's rank: /health 503 within 5 s naming rank 1 (its heartbeat comes
+    through the store), 200 again after SIGCONT."""
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # it beats
+    os.kill(rank_pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
+            assert time.monotonic() - started < 5.0, "node 1's rank stopped, /health still 200"
+            time.sleep(0.1)
+        assert "no heartbeat from rank 1" in answer.json()["error"]["message"]
+    finally:
+        os.kill(rank_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while httpx.get(server.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "node 1's rank beats again, /health stays 503"
+        time.sleep(0.1)
+
+
 def test_deepseek_tp_ep_and_two_nodes(deepseek):
     expected = reference(deepseek, spec=False)
     flags = [*COMMON, "--tp", "2", "--ep", "2", "--watchdog-timeout", "15"]
@@ -243,6 +263,7 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     try:
         with running_server(deepseek, *COMMON, *nodes, "--node-rank", "0") as server:
             check_layout(server, expected)
+            stop_node1_rank(server, children(node1.pid)[0])
             kill_rank_mid_stream(server, node1.pid)  # node 1 (launcher; its rank follows)
         assert node1.wait(30) is not None
     finally:

@@ -77,6 +77,7 @@ class ParallelState:
     # rows of every attention group in the op being run (set per op by the rank loop)
     group_rows: list[int] = field(default_factory=lambda: [0])
     comm_seconds: float = 0.0  # time spent inside the model's collectives (bench/parallel.py)
+    store: Any = None  # the rendezvous store (other nodes' heartbeats, runtime/heartbeat.py)
 
     @classmethod
     def single(cls) -> ParallelState:

@@ -94,7 +94,7 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
             f" ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
         ) from None
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
-    state = ParallelState(sizes, rank, world_group=None, cpu_group=cpu_group)
+    state = ParallelState(sizes, rank, world_group=None, cpu_group=cpu_group, store=store)
     if 1 < sizes.attn_tp < sizes.tp:
         for group in range(sizes.groups):
             ranks = list(range(sizes.leader(group), sizes.leader(group) + sizes.attn_tp))

@@ -83,8 +83,12 @@ def run_engine_process(
     outbox.connect(paths.from_engine)
     ranks = None
     try:
-        if ParallelSizes.from_args(args).tp > 1:
+        sizes = ParallelSizes.from_args(args)
+        if sizes.tp > 1:
             ranks = start_ranks(args, pick_device(args.device).type, paths, factory)
+        if sizes.nnodes > 1:  # the other nodes' ranks beat through the store
+            heartbeat.relay_from_store(ranks.parallel.store, paths.heartbeat,
+                                       range(sizes.ranks_per_node, sizes.tp))  # fmt: skip
         parallel = ranks.parallel if ranks is not None else ParallelState.single()
         engine = factory(args, parallel, _rejecter(outbox))
     except Exception as e:  # report, do not hang the API process

@@ -13,6 +13,7 @@ from dsaserve.distributed.rendezvous import init_rank
 from dsaserve.engine.rounds import RankRunner
 from dsaserve.engine.shard import build_shard
 from dsaserve.engine.startup import pick_device
+from dsaserve.runtime import heartbeat
 from dsaserve.runtime.engine_process import run_group_leader
 from dsaserve.runtime.ranks import RankJob, rank_threads
 
@@ -20,6 +21,8 @@ from dsaserve.runtime.ranks import RankJob, rank_threads
 def run_rank(job: RankJob) -> int:
     device = pick_device(job.args.device)
     parallel = init_rank(job.args, job.rank, job.where, device.type)
+    if job.args.node_rank > 0:  # node 0's /health hears of it through the store
+        heartbeat.beat_to_store(parallel.store, job.rank)
     rank_threads(parallel.sizes)
     if parallel.is_leader:  # another DP-attention group's scheduler
         return run_group_leader(job.args, job.paths, parallel, job.factory)

@@ -1,4 +1,4 @@
-"""This node's ranks' heartbeats, for `/health`: a rank that stops answering is seen in seconds.
+"""The ranks' heartbeats, for `/health`: a rank that stops answering is seen in seconds.
 
 Each rank process of node 0 (the engine process is rank 0) runs a thread that writes the time
 (CLOCK_MONOTONIC, the same clock in every process of the machine) into its slot of a small file in
@@ -6,7 +6,9 @@ the engine's private IPC folder (runtime/ipc.py: 0700, so no other user reads or
 BEAT_S. The API process reads the file on `/health` and answers 503 when a slot is older than
 STALE_S: a stopped (SIGSTOP) or wedged process beats no more, while a rank busy in a long step
 still does (the thread runs beside the step; torch and the native decode release the GIL).
-`--watchdog-timeout` stays what ends the processes. Ranks on other nodes are not watched here.
+The ranks of other nodes count up a key each in the rendezvous store instead (their clocks are
+not ours); a thread of rank 0 stamps a rank's slot whenever its count moved. `--watchdog-timeout`
+stays what ends the processes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 BEAT_S = 0.5
 STALE_S = 3.0
@@ -25,15 +29,43 @@ def start_beating(path: str, rank: int) -> threading.Event:
     """Beat for `rank` from a daemon thread until the process ends or the returned event is set
     (the first rank to beat creates the file; a slot not written yet reads as 0: never)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    return _every(BEAT_S, lambda: os.pwrite(fd, SLOT.pack(time.monotonic()), rank * SLOT.size))
+
+
+def beat_to_store(store: Any, rank: int) -> threading.Event:
+    """A rank of node n > 0: count up its key in the rendezvous store every BEAT_S."""
+    return _every(BEAT_S, lambda: store.add(f"heartbeat/{rank}", 1))
+
+
+def relay_from_store(store: Any, path: str, ranks: range) -> threading.Event:
+    """Rank 0: stamp the slot of each of `ranks` (other nodes') whenever its count moved."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    seen: dict[int, int] = {}
+
+    def relay() -> None:
+        for rank in ranks:
+            count = store.add(f"heartbeat/{rank}", 0)
+            if count and count != seen.get(rank):
+                seen[rank] = count
+                os.pwrite(fd, SLOT.pack(time.monotonic()), rank * SLOT.size)
+
+    return _every(BEAT_S, relay)
+
+
+def _every(interval: float, work: Callable[[], object]) -> threading.Event:
+    """Run `work` every `interval` in a daemon thread until it fails (the store went away with
+    the ranks) or the returned event is set."""
     stop = threading.Event()
 
-    def beat() -> None:
+    def loop() -> None:
         while not stop.is_set():
-            os.pwrite(fd, SLOT.pack(time.monotonic()), rank * SLOT.size)
-            stop.wait(BEAT_S)
-        os.close(fd)
+            try:
+                work()
+            except Exception:
+                return
+            stop.wait(interval)
 
-    threading.Thread(target=beat, daemon=True, name="dsaserve-heartbeat").start()
+    threading.Thread(target=loop, daemon=True, name="dsaserve-heartbeat").start()
     return stop
 
 

@@ -120,7 +120,7 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
         engine = EngineClient(paths)
     process = start_engine(args, paths, engine_factory)
     engine.start(process)
-    ranks = ParallelSizes.from_args(args).ranks_per_node
+    ranks = ParallelSizes.from_args(args).tp  # every node's (runtime/heartbeat.py)
     state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder(),
                         heartbeats=Heartbeats(paths.heartbeat, ranks))  # fmt: skip
     state.body_decoder.start()
