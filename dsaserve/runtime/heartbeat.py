@@ -70,7 +70,7 @@ def _every(interval: float, work: Callable[[], object]) -> threading.Event:
 
 
 class Heartbeats:
-    """The API process's reader of one node's heartbeat file."""
+    """The API process's reader of the heartbeat file (a slot per rank, every node's)."""
 
     def __init__(self, path: str, ranks: int) -> None:
         self.path, self.ranks = path, ranks

@@ -103,7 +103,7 @@ class IpcPaths(msgspec.Struct):
 
     @property
     def heartbeat(self) -> str:
-        """This node's ranks' heartbeat file (runtime/heartbeat.py), beside the sockets."""
+        """The ranks' heartbeat file (runtime/heartbeat.py), beside the sockets."""
         return os.path.join(self.folder, "heartbeat")
 
     def for_group(self, group: int) -> IpcPaths:

@@ -258,7 +258,7 @@ def _check_started(state: ServerState) -> None:
 
 
 def _check_heartbeats(state: ServerState) -> None:
-    """503 while a rank of this node misses its heartbeat (a stopped or wedged process; the
+    """503 while a rank (of any node) misses its heartbeat (a stopped or wedged process; the
     watchdog ends it later): runtime/heartbeat.py."""
     late = state.heartbeats.late() if state.heartbeats is not None else None
     if late:

@@ -19,7 +19,7 @@ class ServerState:
     metrics: Any = None
     body_decoder: Any = None
     response_store: Any = None  # /v1/responses `store: true` (openai/responses_store.py)
-    heartbeats: Any = None  # this node's ranks' heartbeats (runtime/heartbeat.py), for /health
+    heartbeats: Any = None  # the ranks' heartbeats (runtime/heartbeat.py), for /health
     ready: bool = False
     draining: bool = False
     engine_info: dict = field(default_factory=dict)
