@@ -108,13 +108,15 @@ class _FailingEngine:
 
 
 @pytest.mark.parametrize("error,status", [(ValueError("bad"), 400), (KeyError("bug"), 500)])
-def test_engine_loop_rejects_instead_of_dying(error: Exception, status: int):
+def test_engine_loop_rejects_instead_of_dying(error: Exception, status: int, caplog):
     outbox = _Outbox()
     loop = EngineLoop(_FailingEngine(error), ServerArgs(), None, outbox, 0)
     loop._handle(ipc.Submit([request("a", [1]), request("b", [2])]))
     loop._handle(ipc.Abort(["a"]))
     loop._refuse_undecodable(ipc.encode(ipc.Submit([request("c", [1])]))[:-3], ValueError("x"))
     loop._refuse_undecodable(b"\xc1garbage", ValueError("x"))
+    assert loop.frames.counts == {"undecodable": 2}  # counted; logged once, not per frame
+    assert caplog.text.count("dropped a frame from the API process (undecodable)") == 1
     loop._flush()
     rejected = [m for m in outbox.messages if isinstance(m, ipc.Rejected)]
     assert rejected[0].rids == ["a", "b"] and rejected[0].status == status

@@ -31,5 +31,5 @@ class FrameLog:
             return
         self._logged[kind] = (now, count)
         since = f" ({count - before} since the last report)" if when is not None else ""
-        self.logger.warning("dropped a %s frame from %s: %s%s", kind, self.source, reason[:300],
+        self.logger.warning("dropped a frame from %s (%s): %s%s", self.source, kind, reason[:300],
                             since, exc_info=exc_info)  # fmt: skip

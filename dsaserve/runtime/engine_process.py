@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from dsaserve.args import ServerArgs
+from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.rounds import Stopped
@@ -33,6 +34,7 @@ from dsaserve.engine.startup import pick_device
 from dsaserve.runtime import heartbeat, ipc
 from dsaserve.runtime.ranks import LocalRanks, start_ranks
 
+logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 DP_IDLE_POLL_MS = 5  # DP attention: an idle group's leader must join the busy groups' ops soon
 DP_QUIET_S = 1.0  # ... until every group has been idle this long; then it polls as usual
@@ -186,6 +188,7 @@ class EngineLoop:
         self.dp = args.dp_size if args.enable_dp_attention else 1
         self.others_busy = False
         self.last_busy = time.monotonic()
+        self.frames = FrameLog(logger, "the API process")  # undecodable messages, logged sparingly
 
     def _idle_poll_ms(self) -> int:
         if self.dp > 1 and time.monotonic() - self.last_busy < DP_QUIET_S:
@@ -248,7 +251,7 @@ class EngineLoop:
     def _refuse_undecodable(self, data: bytes, error: Exception) -> None:
         """A message that does not decode: refuse the requests it names (so none is left
         waiting), keep serving."""
-        print(f"engine: refused an undecodable message: {error}", file=sys.stderr)
+        self.frames.dropped("undecodable", str(error))
         try:
             raw = msgspec.msgpack.decode(data)
             rids = [str(r["rid"]) for r in raw.get("requests", []) if isinstance(r, dict)]
