@@ -23,12 +23,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
 from gpu_check import RankShapes, linear_shapes, rank_shapes
 from triton.runtime.jit import JITFunction
 
 from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
 from dsaserve.engine.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
+from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.kernels.gpu_target import as_target
 from dsaserve.kernels.triton_fp8_gemm import fp8_linear
 from dsaserve.kernels.triton_indexer import indexer_scores
