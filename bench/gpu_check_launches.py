@@ -23,7 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from gpu_check import RankShapes, linear_shapes, rank_shapes
+from gpu_check import RankShapes, rank_shapes
 from triton.runtime.jit import JITFunction
 
 from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
@@ -142,7 +142,7 @@ def _attention(claim: Claim, kv: str) -> None:
 
 def _linears(claim: Claim) -> None:
     s = claim.shapes
-    shapes = {**linear_shapes(s), "dense gate/up": (s.dense_inter, s.hidden),
+    shapes = {**s.linear_shapes(), "dense gate/up": (s.dense_inter, s.hidden),
               "dense down": (s.hidden, s.dense_inter), "shared gate/up": (s.shared_inter, s.hidden),
               "shared down": (s.hidden, s.shared_inter)}  # fmt: skip
     for rows in (*row_buckets(MAX_BS, SPEC_STEPS), PREFILL_ROWS):
