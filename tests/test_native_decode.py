@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused_decode import Counted
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
@@ -26,17 +27,6 @@ from dsaserve.layers import cpu_decode
 pytestmark = pytest.mark.skipif(
     cpu_decode.extension() is None, reason="the native decode extension does not build here"
 )
-
-
-class Counted:
-    """The native DecodeLayers with its calls counted."""
-
-    def __init__(self, native) -> None:
-        self.native, self.calls = native, 0
-
-    def forward(self, *args):
-        self.calls += 1
-        return self.native.forward(*args)
 
 
 def run(folder, prompts, params, native: bool = True, native_threads: int = 0, **kw):
