@@ -20,13 +20,16 @@ fi
 "${PIP[@]}" --no-deps "nixl-cu12==1.5.1"
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
-SYSTEM=(g++ chromium nodejs npm libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
+SYSTEM=(g++ chromium libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
 if command -v dpkg-query >/dev/null && command -v apt-get >/dev/null; then
     missing=()
     for package in "${SYSTEM[@]}"; do
         dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" \
             || missing+=("$package")
     done
+    # Node.js with npm, for the Codex CLI: Debian's two packages unless an npm is on PATH already
+    # (NodeSource's nodejs brings its own npm and conflicts with Debian's npm package)
+    command -v npm >/dev/null || missing+=(nodejs npm)
     if [ ${#missing[@]} -gt 0 ]; then
         as_root=()
         [ "$(id -u)" = 0 ] || as_root=(sudo -n)

@@ -101,6 +101,8 @@ def requests(draw) -> dict:
                 "named": {"type": "function", "function": {"name": "tool_1"}},
             }[kind],
         )
+        # one call and the end (without it a "required" answer may call on until max_tokens)
+        body["parallel"] = draw(st.booleans())
     body["kind"] = kind
     return body
 
@@ -112,7 +114,8 @@ def send(client: openai.OpenAI, family: str, body: dict) -> tuple[dict, object]:
                   seed=body["seed"],
                   extra_body={"chat_template_kwargs": {switch: body["thinking"]}})  # fmt: skip
     if "tools" in body:
-        kwargs.update(tools=body["tools"], tool_choice=body["choice"])
+        kwargs.update(tools=body["tools"], tool_choice=body["choice"],
+                      parallel_tool_calls=body["parallel"])  # fmt: skip
     elif body["kind"] == "json_object":
         kwargs["response_format"] = {"type": "json_object"}
     else:
