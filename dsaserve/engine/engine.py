@@ -17,11 +17,13 @@ from torch import nn
 from transformers import AutoTokenizer
 
 from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
+from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.admission import check_params, check_request, sampling_params
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.dflash_setup import block_size, build_decoder, context_bytes_per_token, load_dflash
 from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
@@ -71,6 +73,7 @@ class Engine:
         self.kernels = choose_kernels(args, self.device.type)
         spec = speculative_settings(args)
         self.spec_steps = spec[0] if spec else 0
+        self.dflash = dflash_settings(args)  # DFLASH: a separate block drafter (engine/dflash.py)
         self._init_config()
         self._init_ranks(parallel, rank_extra)
         self._init_model(show_progress)
@@ -123,6 +126,9 @@ class Engine:
                                 self.with_mtp, self.parallel, show_progress,
                                 before_load=self._keep_fp8)  # fmt: skip
         self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
+        self.drafter = None
+        if self.dflash is not None:
+            self.drafter = load_dflash(self.dflash, self.model_config, self.dtype, self.device)
         self.fp8_ranks = []  # every rank's FP8 report (a collective, as the followers do)
         if self.model_config.quantization == "fp8":
             self.fp8_ranks = rank_reports(self.model, self.parallel, self.fp8_kept)
@@ -143,10 +149,11 @@ class Engine:
         stored = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
         fp8 = stored == torch.uint8
         self.kv_dtype = kv_dtype_name(stored)
-        per_token = pool_bytes_per_token(cfg, mtp, stored)
+        draft = context_bytes_per_token(self.drafter, self.dtype) if self.drafter else 0
+        per_token = pool_bytes_per_token(cfg, mtp, stored) + draft
         self.kv_bytes_per_token = per_token
         page_size = args.page_size or 64
-        num_pages = pool_pages(args, cfg, mtp, stored, self.device, self.parallel)
+        num_pages = pool_pages(args, cfg, mtp, stored, self.device, self.parallel, draft)
         tokens = num_pages * page_size
         self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, stored, self.device,
                            fp8=fp8, split=layer_split(args, self.parallel))  # fmt: skip
@@ -163,20 +170,23 @@ class Engine:
         """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
         cfg, args, mtp, page_size = self.model_config, self.args, self.with_mtp, self.pool.page_size
         stored = self.pool.index_cache.dtype  # the pool's storage dtype (uint8: FP8)
-        default_running = 48 if mtp else (256 if self.device.type == "cuda" else 64)
+        speculative = mtp or self.drafter is not None
+        default_running = 48 if speculative else (256 if self.device.type == "cuda" else 64)
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
+        drafts = block_size(self.dflash, self.drafter) - 1 if self.drafter else self.spec_steps
+        taps = self.drafter.config.target_layer_ids if self.drafter else ()
         self.graphs = None  # CUDA-graph decode (engine/cuda_graph.py); takes one scratch page
         if self.parallel.world == 1:
             self.graphs = CudaGraphRunner.build(self.model, self.pool, self.kernels,
-                                                args.cuda_graph_max_bs, running, self.spec_steps,
-                                                args.disable_cuda_graph)  # fmt: skip
+                                                args.cuda_graph_max_bs, running, drafts,
+                                                args.disable_cuda_graph, taps)  # fmt: skip
         reserved = page_size if self.graphs is not None else 0
-        # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
+        # Why the reserve: a verify run computes drafts + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
-                      self.pool.num_tokens - reserved - self.spec_steps)  # fmt: skip
+                      self.pool.num_tokens - reserved - drafts)  # fmt: skip
         self.context_length = context
         chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
-        config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
+        config = SchedulerConfig(running, chunk, context, decode_tokens=drafts + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
         # kernels and a cache in the compute dtype (an FP8 cache, a bf16 cache under fp32, or
@@ -192,6 +202,9 @@ class Engine:
         if mtp:
             share = cfg.index_share_for_mtp_iteration
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
+        if self.drafter is not None:
+            self.spec = build_decoder(self.runner, self.drafter, self.kernels,
+                                      self.pool.num_tokens, self.dflash)  # fmt: skip
 
     def _make_cache(self, page_size: int) -> RadixCache:
         if not self.args.enable_hierarchical_cache:

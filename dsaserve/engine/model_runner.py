@@ -41,21 +41,23 @@ class ModelRunner:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         graphs = self.graphs
         if graphs is not None and graphs.accepts(batch):
-            hidden = graphs(batch)  # installs its own static batch
-            return sampled, self.model.logits(hidden[batch.logits_rows])
+            hidden = graphs(batch)  # installs its own static batch (with taps: final first)
+            width = self.model.config.hidden_size
+            return sampled, self.model.logits(hidden[batch.logits_rows, :width])
         with forward_context(batch):
             step = self.decode_step
             if step is not None and step.accepts(batch):
                 return sampled, step.logits(step(batch)[batch.logits_rows])
             return sampled, self.model.forward_logits()  # one round across ranks
 
-    def run_target(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_target(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify
-        batch): its CUDA graph where one fits, else the layered model."""
+        batch): its CUDA graph where one fits, else the layered model. With `taps` (the graphs
+        were built with the same), [final ‖ tapped layers] per row."""
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs(batch)
         with forward_context(batch):
-            return self.model()
+            return self.model(taps) if taps else self.model()
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None

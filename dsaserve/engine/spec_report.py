@@ -37,8 +37,9 @@ class SpecCounters:
 class SpecReport:
     """Cumulative and windowed counters of one engine."""
 
-    def __init__(self, num_steps: int) -> None:
+    def __init__(self, num_steps: int, extra: dict | None = None) -> None:
         self.num_steps = num_steps
+        self.extra = extra or {}  # fixed keys the report adds (DFlash: algorithm, block size)
         self.total = SpecCounters()
         self.window = SpecCounters()
         self.window_start = time.perf_counter()
@@ -69,4 +70,5 @@ class SpecReport:
             "spec_accept_rate": self.total.accept_rate,
             "spec_verify_ct": self.total.verify_ct,
             "spec_num_steps": self.num_steps,
+            **self.extra,
         }

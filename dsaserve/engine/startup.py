@@ -57,9 +57,11 @@ def layer_split(args: ServerArgs, parallel: ParallelState):
 
 
 def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,
-               device: torch.device, parallel: ParallelState) -> int:  # fmt: skip
-    """KV pages; every rank computes it and the smallest wins, so all pools have one layout."""
-    per_token = pool_bytes_per_token(config, with_mtp, stored)
+               device: torch.device, parallel: ParallelState,
+               extra_per_token: int = 0) -> int:  # fmt: skip
+    """KV pages; every rank computes it and the smallest wins, so all pools have one layout.
+    `extra_per_token`: bytes a token also takes beside the pool (a DFlash drafter's context)."""
+    per_token = pool_bytes_per_token(config, with_mtp, stored) + extra_per_token
     tokens = args.max_total_tokens or tokens_from_memory(args, per_token, device)
     pages = max(tokens // (args.page_size or 64), 2)
     if parallel.world > 1:
