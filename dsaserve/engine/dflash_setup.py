@@ -3,12 +3,13 @@ target, its block size, its context entries' bytes per pool token, and the step 
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
 
-from dsaserve.args import ArgsError
-from dsaserve.dflash_args import DFlashSettings
+from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.dflash_args import DFlashSettings, dflash_settings
 from dsaserve.engine.dflash import DFlashDecoder
 from dsaserve.engine.dflash_draft import DraftContext, Drafter
 from dsaserve.engine.model_runner import ModelRunner
@@ -16,6 +17,7 @@ from dsaserve.kernels.registry import Kernels
 from dsaserve.model_config import ConfigError, ModelConfig
 from dsaserve.models.checkpoint_files import CheckpointError
 from dsaserve.models.dflash import DFlashDraftModel
+from dsaserve.models.dflash_config import DFlashConfig
 from dsaserve.models.dflash_loader import load_drafter
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,20 @@ def load_dflash(settings: DFlashSettings, target: ModelConfig, dtype: torch.dtyp
                 block_size(settings, drafter), "flag" if settings.block_size else "checkpoint",
                 list(config.target_layer_ids))  # fmt: skip
     return drafter
+
+
+def check_drafter(args: ServerArgs) -> None:
+    """Refuse, before any process starts, DFLASH flags or a drafter that cannot serve the
+    target (one line naming the flag or the config field)."""
+    settings = dflash_settings(args)
+    if settings is None:
+        return
+    try:
+        target = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args
+                                                                 or "{}"))  # fmt: skip
+        DFlashConfig.from_dir(settings.draft_path).check_fits(target)
+    except ConfigError as e:
+        raise ArgsError(str(e)) from None
 
 
 def block_size(settings: DFlashSettings, drafter: DFlashDraftModel) -> int:

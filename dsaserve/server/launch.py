@@ -19,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from dsaserve.args import ArgsError, ServerArgs, speculative_settings
+from dsaserve.engine.dflash_setup import check_drafter
 from dsaserve.server import ipc
 from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
@@ -42,7 +43,8 @@ ENGINE_STOP_TIMEOUT_S = 10.0
 def main(argv: list[str] | None = None) -> int:
     try:
         args = ServerArgs.from_cli(argv)
-        speculative_settings(args)  # e.g. DFLASH2 (parsed as SGLang's): refused before starting
+        speculative_settings(args)  # e.g. EAGLE3 (parsed as SGLang's): refused before starting
+        check_drafter(args)  # DFLASH: its flags, and a drafter that does not fit the target
         check_layout(args)
         if args.node_rank > 0:
             from dsaserve.distributed.node import serve_node
