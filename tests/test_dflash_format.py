@@ -207,9 +207,10 @@ def test_served_drafter_equals_reference(target, tmp_path, backend, v2):
     kernels = Kernels({**Kernels().names, "draft_attention": backend})
     drafter = Drafter(model, _Target(embed, head), context, kernels, 5, None)
     reqs, expected = [], []
-    for r, length in enumerate([7, 12, 3]):
+    free = torch.randperm(64, generator=gen)  # scattered slots, as pages give, one set each
+    for length in [7, 12, 3]:
         taps = torch.randn(length, 64 * 3, generator=gen)
-        slots = torch.randperm(64, generator=gen)[:length + 5]  # scattered slots, as pages give
+        slots, free = free[: length + 5], free[length + 5 :]
         context.write(taps, torch.arange(length), slots[:length])
         last = int(torch.randint(0, 384, (1,), generator=gen))
         ids = torch.tensor([last] + [1] * 4)

@@ -157,7 +157,7 @@ class DFlashDraftModel(nn.Module):
         entries = []
         for layer in self.layers:
             k, v = layer.self_attn.keys_values(context, cos, sin)
-            entries.append(torch.cat([k, v], dim=-1).flatten(1))
+            entries.append(torch.cat([k.flatten(1), v.flatten(1)], dim=-1))  # [K ‖ V]
         return torch.stack(entries)
 
     def block_hidden(self, noise: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
