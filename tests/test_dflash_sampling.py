@@ -6,10 +6,10 @@ logits at the request's temperature and top-k), so drafts are accepted often and
 Over 600 unseeded requests, the tokens that verify steps emit (output positions 1 and 2; position
 0 comes from the prefill) must follow the marginals computed from the target's own logits under
 the same temperature and top-k: a chi-square test at p = 0.001 (a correct sampler fails it one
-time in a thousand). Power: the same counts against the distribution of the previous position
-(a verifier that emitted the drafter's proposals unchecked, or the bonus token's distribution in
-the wrong row, would look like that) must fail it, and a broken verifier that accepts every draft
-fails it in `test_accepting_every_draft_is_caught`. Seeded requests keep their tokens: a seeded
+time in a thousand). Power: the same counts against the first output token's distribution (what
+a verifier that sampled every row from the wrong context would give) must fail it, and a broken
+verifier that accepts every draft (its tokens then follow the drafter's q) fails it in
+`test_accepting_every_draft_is_caught`. Seeded requests keep their tokens: a seeded
 request draws with the engine's own (seed, step) uniforms and greedy drafts, as without
 speculation.
 """
@@ -21,7 +21,7 @@ import torch
 from dflash_models import write_drafter
 from safetensors.torch import load_file, save_file
 from test_speculative_sampling import _chi_square_p
-from tiny_models import make_checkpoint
+from tiny_models import load_reference, make_checkpoint
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.dflash_accept import Acceptor
@@ -44,21 +44,23 @@ def target(tmp_path_factory):
     return folder
 
 
-def _probs(llm: LLM, ids: list[int], params: SamplingParams) -> torch.Tensor:
-    logits = llm.engine.score(ids)[-1:, :VOCAB].float()
-    return filtered_probs(logits, [params.with_defaults({})])[0].double()
+def _probs(model, prefixes: list[list[int]], params: SamplingParams) -> torch.Tensor:
+    """[N, VOCAB] the target's next-token distributions after each prefix (one batched
+    transformers forward; prefixes of one length), filtered as the sampler filters."""
+    with torch.no_grad():
+        logits = model(torch.tensor(prefixes)).logits[:, -1, :VOCAB].float()
+    return filtered_probs(logits, [params.with_defaults({})] * len(prefixes)).double()
 
 
-def _marginals(llm: LLM, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(t1) and P(t2) of the target under `params`, by enumerating t0 and t1."""
-    p0 = _probs(llm, PROMPT, params)
-    p1_given = torch.stack([_probs(llm, PROMPT + [a], params) for a in range(VOCAB)])
-    p2 = torch.zeros(VOCAB, dtype=torch.float64)
-    for a in range(VOCAB):
-        for b in range(VOCAB):
-            if p0[a] * p1_given[a, b] > 0:
-                p2 += p0[a] * p1_given[a, b] * _probs(llm, PROMPT + [a, b], params)
-    return p0, p0 @ p1_given, p2
+def _marginals(target, params: SamplingParams) -> tuple[torch.Tensor, ...]:
+    """P(t0), P(t1) and P(t2) of the target under `params`, by enumerating t0 and t1."""
+    model = load_reference(target)
+    p0 = _probs(model, [PROMPT], params)[0]
+    p1_given = _probs(model, [PROMPT + [a] for a in range(VOCAB)], params)  # [t0, t1]
+    pairs = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    p2_given = _probs(model, pairs, params).view(VOCAB, VOCAB, VOCAB)  # [t0, t1, t2]
+    joint = p0[:, None] * p1_given  # [t0, t1]
+    return p0, p0 @ p1_given, torch.einsum("ab,abc->c", joint, p2_given)
 
 
 def _run(target, drafter, params, seed=123, **kw) -> tuple[torch.Tensor, dict]:
@@ -74,7 +76,7 @@ def test_verify_tokens_follow_target_distribution(target, tmp_path, case):
     v2, temperature, top_k = CASES[case]
     params = SamplingParams(max_tokens=3, temperature=temperature, top_p=1.0, top_k=top_k,
                             ignore_eos=True)  # fmt: skip
-    p0, p1, p2 = _marginals(LLM(str(target), max_total_tokens=4096, page_size=4), params)
+    p0, p1, p2 = _marginals(target, params)
     drafter = write_drafter(tmp_path / "d", target, seed=2, v2=v2, block_size=3)
     tokens, stats = _run(target, drafter, params)
     assert 0.05 < stats["spec_accept_rate"] < 0.95  # both branches of the test were taken
@@ -82,14 +84,14 @@ def test_verify_tokens_follow_target_distribution(target, tmp_path, case):
     counts2 = torch.bincount(tokens[:, 2], minlength=VOCAB).double()
     assert _chi_square_p(counts1, p1) > 1e-3
     assert _chi_square_p(counts2, p2) > 1e-3
-    assert _chi_square_p(counts1, p0) < 1e-3  # power: the previous position's distribution
-    assert _chi_square_p(counts2, p1) < 1e-3
+    assert _chi_square_p(counts1, p0) < 1e-3  # power: the first token's distribution
+    assert _chi_square_p(counts2, p0) < 1e-3
 
 
 def test_accepting_every_draft_is_caught(monkeypatch, target, tmp_path):
     """A verifier that keeps every draft emits the drafter's q: the same test rejects it."""
     params = SamplingParams(max_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)
-    _, p1, _ = _marginals(LLM(str(target), max_total_tokens=4096, page_size=4), params)
+    _, p1, _ = _marginals(target, params)
     drafter = write_drafter(tmp_path / "d", target, seed=2, v2=True, block_size=3)
     original = Acceptor._reject
 
