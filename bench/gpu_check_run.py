@@ -120,7 +120,7 @@ def decode_batch(model, pool: KVPool, kernels: Kernels, batch: int, context: int
 
 
 def triton_kernels() -> Kernels:
-    names = {op: "triton" for op in ("indexer", "sparse_mla", "moe", "fp8_gemm")}
+    names = {op: "triton" for op in ("indexer", "sparse_mla", "moe", "fp8_gemm", "draft_attention")}
     return Kernels({**names, "kv_store": "torch", "sampling": "torch"})
 
 
@@ -172,3 +172,13 @@ def run_timing(s, batches: list[int], context: int, iters: int) -> tuple[float, 
     kernels = triton_kernels()
     model = rank_model(s, kernels)
     return bandwidth, [time_step(model, kernels, b, context, iters) for b in batches]
+
+
+def verify_rows(s, batches: list[int], context: int, iters: int) -> list[dict]:
+    """DFLASH verify steps (block 8, with taps) of 1 and 8 requests (bench/gpu_check_dflash.py)."""
+    from gpu_check_dflash import time_verify
+
+    kernels = triton_kernels()
+    model = rank_model(s, kernels)
+    requests = sorted({1, min(8, max(batches))})
+    return [time_verify(model, kernels, r, context, iters) for r in requests]
