@@ -104,3 +104,16 @@ def test_radix_hits_and_batches_equal_plain(target, prompts, plain, tmp_path):
     assert sum(o.cached_tokens for o in again) > 0
     one = [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in prompts[:3]]
     assert one == plain[:3]
+
+
+def test_tensor_parallel_ranks_equal_plain(prompts, tmp_path):
+    """--tp 2: the verify forward's taps come back from the leader's shard, the block embeddings
+    through an EMBED round; the drafter runs on the leader."""
+    target = make_checkpoint(tmp_path / "ckpt", "glm", seed=8)
+    drafter = write_drafter(tmp_path / "drafter", target, seed=4, block_size=4)
+    want = [o.token_ids for o in LLM(str(target), **BASE).generate(prompts, GREEDY,
+                                                                   use_tqdm=False)]  # fmt: skip
+    with _llm(target, drafter, tp_size=2) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.stats()["spec_verify_ct"] > 0
+    assert got == want
