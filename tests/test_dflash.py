@@ -117,3 +117,19 @@ def test_tensor_parallel_ranks_equal_plain(prompts, tmp_path):
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.engine.stats()["spec_verify_ct"] > 0
     assert got == want
+
+
+def test_structured_output_masks_verification(tmp_path):
+    """Each verify row is sampled under the grammar after the tokens accepted before it, so a
+    draft the grammar forbids is never accepted and constrained greedy output is unchanged."""
+    from test_structured_speculative import GRAMMARS, greedy
+
+    target = make_checkpoint(tmp_path / "ckpt", "glm", seed=3)
+    drafter = write_drafter(tmp_path / "drafter", target, seed=5, block_size=6)
+    prompts = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 64, 8]]
+    plain, spec = LLM(str(target), **BASE), _llm(target, drafter)
+    for kind, value in GRAMMARS:
+        want = plain.generate(prompts, greedy(**{kind: value}), use_tqdm=False)
+        got = spec.generate(prompts, greedy(**{kind: value}), use_tqdm=False)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], value
+    assert spec.engine.stats()["spec_verify_ct"] > 0
