@@ -172,7 +172,8 @@ def accept_length(drafter, embed, lm_head, examples: list[Example], block: int, 
         hidden = forward(drafter, embed, batch)
         logits = drafter.logits(hidden[:, 1:], lm_head)
         zeros = torch.zeros(logits.shape[0])
-        path = drafter.candidate_selector.walk(hidden[:, 1:], logits, batch.block_ids[:, 0],
+        unary, ids = drafter.candidate_selector.candidates(logits)
+        path = drafter.candidate_selector.walk(hidden[:, 1:], unary, ids, batch.block_ids[:, 0],
                                                zeros, zeros[:, None].expand(-1, block - 1))
         good = (path.tokens == batch.labels) & (batch.labels != IGNORE)
         total += (good.long().cumprod(1).sum(1) + 1).sum().item()

@@ -53,6 +53,11 @@ class DecodeStep:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.fused.logits(hidden)
 
+    def tapped(self, taps: tuple[int, ...]) -> torch.Tensor:
+        """The installed all-decode batch's [final ‖ tapped layers] (a DFlash verify; the
+        uncompiled fused path)."""
+        return self.fused.forward(taps)
+
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
         if not self._first_call:
             return self._forward()

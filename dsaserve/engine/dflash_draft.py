@@ -21,6 +21,7 @@ sampling (`dflash_accept.py`).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -77,15 +78,17 @@ class Drafter:
         """Drafts for `reqs` (each decoding: fill_ids = KV + its last token); `sampled[i]`:
         request i drafts from q (unseeded random sampling) instead of greedily."""
         device, block = self.context.cache.device, self.block_size
-        starts = torch.tensor([req.kv_len for req in reqs], device=device)
-        positions = starts[:, None] + torch.arange(block, device=device)[None]  # [R, B]
-        ids = torch.full((len(reqs), block), self.mask_id, dtype=torch.long, device=device)
-        ids[:, 0] = torch.tensor([req.fill_ids[req.kv_len] for req in reqs], device=device)
-        noise = self.target.embed(ids) * self.drafter.config.input_embedding_scale
+        positions = torch.tensor([range(req.kv_len, req.kv_len + block) for req in reqs],
+                                 device=device)  # [R, B]  # fmt: skip
+        ids = torch.tensor([[req.fill_ids[req.kv_len]] + [self.mask_id] * (block - 1)
+                            for req in reqs], device=device)  # fmt: skip
+        noise = self.target.embed(ids)
+        if self.drafter.config.input_embedding_scale != 1.0:
+            noise = noise * self.drafter.config.input_embedding_scale
         attend = self._attend(reqs, positions)
         hidden = self.drafter.block_hidden(noise, positions, attend)[:, 1:]  # [R, K, H]
-        logits = self.drafter.logits(hidden, self._lm_head)  # [R, K, V]
-        return self._choose(reqs, sampled, sampler, hidden, logits, ids[:, 0])
+        raw = self._lm_head(hidden)  # [R, K, V] before the drafter's multiplier and softcap
+        return self._choose(reqs, sampled, sampler, hidden, raw, ids[:, 0])
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
@@ -98,12 +101,11 @@ class Drafter:
         lens = torch.tensor([c.shape[0] for c in ctx], device=device)
         key = torch.arange(slots.shape[1], device=device)
         valid = (key[None] < lens[:, None])[:, None, :].expand(-1, block, -1)  # [R, B, L]
-        allowed, causal = {}, {}
+        allowed = {}
         for window in set(self.windows):  # a row at p sees context positions c with p - c < window
-            near = positions[..., None] - key[None, None] < window if window else True
-            allowed[window] = valid & near
-        full = torch.ones(block, block, dtype=torch.bool, device=device)
-        causal = {True: full.tril(), False: full}
+            near = positions[..., None] - key[None, None] < window if window else None
+            allowed[window] = valid if near is None else valid & near
+        causal = self._block_masks(block, device)
         op, cache = self.kernels.draft_attention, self.context.cache
 
         def attend(layer: int, q, k, v):
@@ -112,9 +114,18 @@ class Drafter:
 
         return attend
 
-    def _choose(self, reqs, sampled, sampler, hidden, logits, anchors) -> Proposals:
+    @functools.cache  # noqa: B019 (one drafter per engine)
+    def _block_masks(self, block: int, device: torch.device) -> dict[bool, torch.Tensor]:
+        """The block's own mask: every row (non-causal) or the rows up to it (causal)."""
+        full = torch.ones(block, block, dtype=torch.bool, device=device)
+        return {True: full.tril(), False: full}
+
+    def _choose(self, reqs, sampled, sampler, hidden, raw, anchors) -> Proposals:
+        """Greedy drafts take the raw outputs' argmax / top-k (the drafter's logit map keeps
+        their order), so only the candidates' logits (DFlash2) or the sampled rows' (DFlash)
+        are mapped."""
         rows = [i for i, s in enumerate(sampled) if s]
-        selector = self.drafter.candidate_selector
+        selector, logits = self.drafter.candidate_selector, raw
         temperatures = torch.zeros(len(reqs), device=logits.device)
         uniforms = torch.zeros(logits.shape[:2], device=logits.device, dtype=torch.float64)
         if rows:
@@ -124,11 +135,14 @@ class Drafter:
             uniforms[index] = sampler.random(len(rows) * logits.shape[1]).view(len(rows), -1).to(
                 logits.device)  # fmt: skip
         if selector is not None:
-            path = selector.walk(hidden, logits, anchors, temperatures, uniforms)
+            values, ids = selector.candidates(raw)
+            unary = self.drafter.scale_logits(values)
+            path = selector.walk(hidden, unary, ids, anchors, temperatures, uniforms)
             return Proposals(path.tokens.tolist(), path.probs, path.ids)
-        tokens = logits.argmax(dim=-1)
+        tokens = raw.argmax(dim=-1)
         probs = None
         if rows:
+            logits = self.drafter.scale_logits(raw)
             params = [reqs[i].params for i in rows for _ in range(logits.shape[1])]
             q = filtered_probs(logits[index].flatten(0, 1), params)  # [rows * K, V]
             cdf = q.double().cumsum(-1)

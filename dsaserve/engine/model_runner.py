@@ -52,11 +52,15 @@ class ModelRunner:
 
     def run_target(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify
-        batch): its CUDA graph where one fits, else the layered model. With `taps` (the graphs
-        were built with the same), [final ‖ tapped layers] per row."""
+        batch): its CUDA graph where one fits, else (CPU) the fused decode path when every row
+        is a decode row, else the layered model. With `taps` (the graphs were built with the
+        same), [final ‖ tapped layers] per row."""
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs(batch)
+        step = self.decode_step
         with forward_context(batch):
+            if step is not None and not step.compiled and step.accepts(batch):
+                return step.tapped(taps)
             return self.model(taps) if taps else self.model()
 
     def build(

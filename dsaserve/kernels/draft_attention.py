@@ -5,7 +5,8 @@ context entries `cache[ctx_slots[r, l]]` where `ctx_allowed[r, b, l]` (its conte
 block, a sliding window if the drafter has one) and the block's own keys and values where
 `block_allowed[b, b']` (all of them: the block is non-causal; causal drafters mask the upper
 triangle). A cache entry is [K ‖ V] of every KV head, [2 * kv_heads * d]; queries may have more
-heads than keys (GQA: head h reads KV head h // (heads / kv_heads)). The softmax runs in fp32.
+heads than keys (GQA: head h reads KV head h // (heads / kv_heads)). One scaled-dot-product
+attention over the gathered context and the block (torch's SDPA: fp32 softmax for fp32 inputs).
 
 Shapes: q [R, B, Hq, d]; cache [slots, 2 * Hkv * d]; ctx_slots [R, L] (padding: any slot);
 ctx_allowed [R, B, L] bool; k_block, v_block [R, B, Hkv, d]; block_allowed [B, B] bool.
@@ -15,6 +16,7 @@ Returns [R, B, Hq, d] in q's dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def draft_attention(q, cache, ctx_slots, ctx_allowed, k_block, v_block, block_allowed,
@@ -24,10 +26,9 @@ def draft_attention(q, cache, ctx_slots, ctx_allowed, k_block, v_block, block_al
     ctx = cache.index_select(0, ctx_slots.reshape(-1)).view(rows, -1, 2, kv_heads, dim)
     keys = torch.cat([ctx[:, :, 0].to(q.dtype), k_block], dim=1)  # [R, L + B, Hkv, d]
     values = torch.cat([ctx[:, :, 1].to(q.dtype), v_block], dim=1)
-    grouped = q.view(rows, block, kv_heads, heads // kv_heads, dim)
-    scores = torch.einsum("rbhgd,rlhd->rhgbl", grouped, keys).float() * scale
     allowed = torch.cat([ctx_allowed, block_allowed[None].expand(rows, -1, -1)], dim=-1)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    out = torch.einsum("rhgbl,rlhd->rbhgd", probs, values)
-    return out.reshape(rows, block, heads, dim)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
+    )  # [R, Hq, B, d]; query head h reads KV head h // (Hq / Hkv)
+    return out.transpose(1, 2)

@@ -34,6 +34,7 @@ from dsaserve.kernels import cpu_decode
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
+from dsaserve.layers.taps import join_taps
 
 
 class LayerWeights(NamedTuple):
@@ -144,6 +145,7 @@ class FusedDecode:
         self.weights = weights
         self.indexer_interleave = model.config.indexer_rope_interleave
         self.native = native  # kernels/cpu_decode.py's DecodeLayers, or None: the Python layers
+        self._segments: dict[tuple[int, ...], list | None] = {}  # taps -> native layer runs
 
     @classmethod
     def build(cls, model: nn.Module, native: bool = False) -> FusedDecode | None:
@@ -161,24 +163,53 @@ class FusedDecode:
         return not batch.extends and rows == batch.input_ids.shape[0] and rows > 0
 
     @torch.inference_mode()
-    def forward(self) -> torch.Tensor:
+    def forward(self, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        """Final normed hidden states [T, H]; with `taps` (a DFlash drafter's target layers),
+        [final ‖ those layers' outputs], as `DsaMoeForCausalLM.forward(taps)`."""
         batch = current_batch()
         model = self.model
         x = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
-        if self.native is not None:
-            x = self.native.forward(x, cos.contiguous(), sin.contiguous(), batch.kv_cache,
-                                    batch.index_cache, batch.decode_slots, batch.decode_valid,
-                                    batch.out_slots)  # fmt: skip
+        last = len(self.weights) - 1
+        segments = self._native_segments(taps)
+        if segments is not None:
+            outputs = {}
+            for end, run in segments:  # consecutive layer runs, each ending at a tap (or last)
+                x = run.forward(x, cos.contiguous(), sin.contiguous(), batch.kv_cache,
+                                batch.index_cache, batch.decode_slots, batch.decode_valid,
+                                batch.out_slots)  # fmt: skip
+                outputs[end] = x
             norm = model.model.norm
-            return cpu_decode.extension().rms_norm(x, norm.weight, norm.eps)
+            final = cpu_decode.extension().rms_norm(x, norm.weight, norm.eps)
+            return join_taps(final, outputs, taps, last)
         rot = rotation(cos, sin, interleave=True)
         rot_index = rot if self.indexer_interleave else rotation(cos, sin, interleave=False)
-        selection = None
-        for layer, weights in zip(model.model.layers, self.weights):
+        selection, outputs = None, {}
+        for i, (layer, weights) in enumerate(zip(model.model.layers, self.weights)):
             x, selection = self._layer(layer, weights, x, (rot, rot_index), selection)
+            if i in taps:
+                outputs[i] = x
         norm = model.model.norm
-        return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+        return join_taps(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps), outputs,
+                         taps, last)  # fmt: skip
+
+    def _native_segments(self, taps: tuple[int, ...]) -> list | None:
+        """[(last layer, native run)] covering every layer, split after each tap; None for the
+        Python layers: no native build, or a split before a layer that reuses the previous
+        layer's indexer selection (a native run starts with none)."""
+        if self.native is None:
+            return None
+        if taps not in self._segments:
+            layers = self.model.model.layers[: len(self.weights)]
+            ends = sorted({*(t for t in taps if t < len(self.weights) - 1), len(self.weights) - 1})
+            starts = [0, *(e + 1 for e in ends[:-1])]
+            splittable = all(layers[s].self_attn.indexer is not None for s in starts[1:])
+            self._segments[taps] = [
+                (e, self.native if (s, e) == (0, len(self.weights) - 1) else
+                 cpu_decode.build(list(layers[s : e + 1]), self.weights[s : e + 1]))
+                for s, e in zip(starts, ends)
+            ] if splittable else None  # fmt: skip
+        return self._segments[taps]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits of `hidden` (the LM head as a native small-batch linear)."""

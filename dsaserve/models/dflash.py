@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsaserve.layers.fused import rotation
 from dsaserve.layers.moe import MLP
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import Rotary, apply_rotary
@@ -37,6 +38,30 @@ from dsaserve.models.dflash_selector import CandidateSelector
 # attend(layer, q [R, B, heads, d], k [R, B, kv_heads, d], v [R, B, kv_heads, d]) -> [R, B, heads, d]:
 # the block's queries over that layer's context entries and the block's own keys and values
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Rope = Callable[[torch.Tensor], torch.Tensor]  # [N, heads, d] -> rotated at each row's position
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """`norm(x)`; in fp32 as one fused op (the same formula)."""
+    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def _projections(module: nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """The bias-free Linears `names` of `module` applied to x. Serving (no autograd) runs them as
+    one GEMM over their concatenated weights, rebuilt whenever a weight changes; training runs
+    them one by one."""
+    linears = [getattr(module, name) for name in names]
+    if torch.is_grad_enabled() or any(linear.bias is not None for linear in linears):
+        return [linear(x) for linear in linears]
+    key = "_fused_" + "_".join(names)
+    versions = tuple((linear.weight._version, linear.weight.data_ptr()) for linear in linears)
+    cached = module.__dict__.get(key)
+    if cached is None or cached[0] != versions:
+        cached = (versions, torch.cat([linear.weight for linear in linears]))
+        module.__dict__[key] = cached
+    return list(F.linear(x, cached[1]).split([linear.out_features for linear in linears], -1))
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -64,14 +89,13 @@ class GroupedDynamicCausalConv(nn.Module):
 
     def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         rows, length, hidden = x.shape
-        blocks = x.view(rows, length, self.groups, self.group_size)
-        dynamic = dynamic.reshape(rows, length, self.kernel_size, self.groups, 1)
-        out = torch.zeros_like(blocks)
-        for offset in range(self.kernel_size):
-            values = blocks if offset == 0 else F.pad(blocks[:, :-offset], (0, 0, 0, 0, offset, 0))
-            kernel = base[offset].view(1, 1, self.groups, self.group_size).to(x.dtype)
-            out = torch.addcmul(out + kernel * values, dynamic[:, :, offset], values)
-        return out.view(rows, length, hidden)
+        k, g = self.kernel_size, self.groups
+        blocks = F.pad(x.view(rows, length, g, self.group_size), (0, 0, 0, 0, k - 1, 0))
+        # taps[:, t, :, :, o] = x[t - o] (zeros before the block): windows of k, newest first
+        taps = blocks.unfold(1, k, 1).flip(-1)  # [R, L, G, g, K]
+        kernel = base.to(x.dtype).view(k, g, self.group_size).permute(1, 2, 0)  # [G, g, K]
+        kernel = kernel + dynamic.reshape(rows, length, k, g).permute(0, 1, 3, 2)[:, :, :, None]
+        return (kernel * taps).sum(-1).view(rows, length, hidden)
 
 
 class DraftAttention(nn.Module):
@@ -86,18 +110,20 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> roped, normed keys and values [N, kv_heads, d]."""
-        k = self.k_norm(self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        return apply_rotary(k, cos, sin, interleave=False), v
+        k, v = _projections(self, ("k_proj", "v_proj"), x)
+        return self._rope_keys(k, rope), v.view(x.shape[0], self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, cos, sin, attend: Callable) -> torch.Tensor:
+    def _rope_keys(self, k: torch.Tensor, rope: Rope) -> torch.Tensor:
+        return rope(_norm(self.k_norm, k.view(k.shape[0], self.num_kv_heads, self.head_dim)))
+
+    def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
         rows, block, hidden = x.shape
         flat = x.reshape(rows * block, hidden)
-        q = self.q_norm(self.q_proj(flat).view(rows * block, self.num_heads, self.head_dim))
-        q = apply_rotary(q, cos, sin, interleave=False)
-        k, v = self.keys_values(flat, cos, sin)
+        q, k, v = _projections(self, ("q_proj", "k_proj", "v_proj"), flat)
+        q = rope(_norm(self.q_norm, q.view(rows * block, self.num_heads, self.head_dim)))
+        k = self._rope_keys(k, rope)
         shape = (rows, block, -1, self.head_dim)
         out = attend(q.view(shape), k.view(shape), v.view(shape))  # [R, B, heads, d]
         return self.o_proj(out.reshape(rows, block, -1))
@@ -117,10 +143,14 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(h, k, g)
             self.mlp_conv = GroupedDynamicCausalConv(h, k, g)
 
-    def forward(self, x: torch.Tensor, cos, sin, attend: Callable) -> torch.Tensor:
-        x = x + self._around(self.attention_conv, self.input_layernorm(x),
-                             lambda h: self.self_attn(h, cos, sin, attend))  # fmt: skip
-        return x + self._around(self.mlp_conv, self.post_attention_layernorm(x), self.mlp)
+    def forward(self, x: torch.Tensor, rope: Rope, attend: Callable) -> torch.Tensor:
+        x = x + self._around(self.attention_conv, _norm(self.input_layernorm, x),
+                             lambda h: self.self_attn(h, rope, attend))  # fmt: skip
+        return x + self._around(self.mlp_conv, _norm(self.post_attention_layernorm, x), self._mlp)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = _projections(self.mlp, ("gate_proj", "up_proj"), h)
+        return self.mlp.down_proj(F.silu(gate) * up)
 
     @staticmethod
     def _around(conv, h: torch.Tensor, sublayer: Callable) -> torch.Tensor:
@@ -154,22 +184,31 @@ class DFlashDraftModel(nn.Module):
         each layer's [K ‖ V] entry of those context tokens (what the drafter caches)."""
         context = self.hidden_norm(self.fc(taps))
         cos, sin = self.cos_sin(positions, context.dtype)
+        rope = lambda t: apply_rotary(t, cos, sin, interleave=False)  # noqa: E731
         entries = []
         for layer in self.layers:
-            k, v = layer.self_attn.keys_values(context, cos, sin)
+            k, v = layer.self_attn.keys_values(context, rope)
             entries.append(torch.cat([k.flatten(1), v.flatten(1)], dim=-1))  # [K ‖ V]
         return torch.stack(entries)
 
     def block_hidden(self, noise: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """noise [R, B, H] (the block's embeddings) at positions [R, B] -> normed hidden [R, B, H]."""
-        cos, sin = self.cos_sin(positions, noise.dtype)
+        # one [rows, d, d] rotation per block row, applied to every layer's q and k in one bmm
+        rot = rotation(*self.cos_sin(positions, noise.dtype), interleave=False)
+        rope = lambda t: torch.bmm(t, rot)  # noqa: E731  t [rows, heads, d]
         x = noise
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
-        return self.norm(x)
+            x = layer(x, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        return _norm(self.norm, x)
 
     def logits(self, hidden: torch.Tensor, lm_head: Callable[[torch.Tensor], torch.Tensor]):
         """The drafter's fp32 logits of rows `hidden` [..., H] through the target's LM head."""
-        logits = lm_head(hidden).float() * self.config.output_multiplier
+        return self.scale_logits(lm_head(hidden).float())
+
+    def scale_logits(self, raw: torch.Tensor) -> torch.Tensor:
+        """LM-head outputs -> the drafter's logits: times `output_multiplier`, soft-capped. Both
+        are increasing maps (a positive multiplier), so they keep every row's order: a top-k or
+        argmax of the raw outputs picks the same tokens."""
+        logits = raw * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits

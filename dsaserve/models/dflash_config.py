@@ -111,6 +111,9 @@ class DFlashConfig:
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"{where}: num_attention_heads {self.num_heads} is not a multiple "
                               f"of num_key_value_heads {self.num_kv_heads}")  # fmt: skip
+        if self.output_multiplier <= 0:
+            raise ConfigError(f"{where}: dflash_config.output_multiplier {self.output_multiplier} "
+                              "must be positive")  # fmt: skip
         if not self.is_v2:
             return
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):

@@ -24,7 +24,8 @@ from torch import nn
 class Proposal(NamedTuple):
     tokens: torch.Tensor  # [R, K] the proposed path
     ids: torch.Tensor  # [R, K, k] each row's candidate tokens (the support of q)
-    probs: torch.Tensor  # [R, K, k] fp32 q over those candidates (one-hot on greedy rows)
+    probs: torch.Tensor | None  # [R, K, k] fp32 q over those candidates (one-hot on greedy
+    # rows); None when no row samples
 
 
 class CandidateSelector(nn.Module):
@@ -46,25 +47,53 @@ class CandidateSelector(nn.Module):
         context = self.predecessor_codebook[predecessor] * projected  # [R, rank]
         return unary + torch.einsum("rd,rkd->rk", context, self.successor_codebook[ids])
 
-    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor,
-             temperatures: torch.Tensor, uniforms: torch.Tensor) -> Proposal:  # fmt: skip
-        """hidden [R, K, H], logits [R, K, V], anchor [R]; temperatures [R] (0: greedy) and
-        uniforms [R, K] in [0, 1) for the sampled rows' draws."""
-        unary, ids = self.candidates(logits)
-        projected = self.hidden_projection(hidden)
+    def walk(self, hidden: torch.Tensor, unary: torch.Tensor, ids: torch.Tensor,
+             anchor: torch.Tensor, temperatures: torch.Tensor,
+             uniforms: torch.Tensor) -> Proposal:  # fmt: skip
+        """hidden [R, K, H]; each row's candidates `ids` [R, K, k] and their unary scores (the
+        drafter's logits there); anchor [R]; temperatures [R] (0: greedy) and uniforms [R, K]
+        in [0, 1) for the sampled rows' draws. Every candidate-after-candidate score is computed
+        in one batched product before the walk, which then only picks (the same scores as
+        `scores` row by row). `probs` is None when no row samples (no q is needed then)."""
+        projected = self.hidden_projection(hidden)  # [R, K, rank]
+        succ = self.successor_codebook[ids]  # [R, K, k, rank]
+        first = unary[:, 0] + torch.einsum(
+            "rd,rkd->rk", self.predecessor_codebook[anchor] * projected[:, 0], succ[:, 0])
+        after = self.predecessor_codebook[ids[:, :-1]] * projected[:, 1:, None]  # [R, K-1, k, d]
+        moves = unary[:, 1:, None] + torch.einsum("rjpd,rjkd->rjpk", after, succ[:, 1:])
         sampled = temperatures > 0
+        any_sampled = bool(sampled.any())
+        if not any_sampled:
+            return Proposal(_greedy_path(first, moves, ids), ids, None)
         scale = torch.where(sampled, temperatures, torch.ones_like(temperatures))[:, None]
-        predecessor, path, q_rows = anchor, [], []
+        index, path, q_rows = None, [], []
         for j in range(hidden.shape[1]):
-            scores = self.scores(projected[:, j], unary[:, j], ids[:, j], predecessor).float()
-            probs = (scores / scale).softmax(dim=-1)
-            drawn = _inverse_cdf(probs, uniforms[:, j])
-            index = torch.where(sampled, drawn, scores.argmax(dim=-1))
-            q_rows.append(torch.where(sampled[:, None], probs, F.one_hot(index, probs.shape[-1])
-                                      .to(probs.dtype)))  # fmt: skip
-            predecessor = ids[:, j].gather(1, index[:, None])[:, 0]
-            path.append(predecessor)
-        return Proposal(torch.stack(path, 1), ids, torch.stack(q_rows, 1))
+            scores = first if j == 0 else moves[:, j - 1].gather(
+                1, index[:, None, None].expand(-1, 1, moves.shape[-1]))[:, 0]  # fmt: skip
+            index = scores.argmax(dim=-1)
+            if any_sampled:
+                probs = (scores.float() / scale).softmax(dim=-1)
+                index = torch.where(sampled, _inverse_cdf(probs, uniforms[:, j]), index)
+                one_hot = F.one_hot(index, probs.shape[-1]).to(probs.dtype)
+                q_rows.append(torch.where(sampled[:, None], probs, one_hot))
+            path.append(ids[:, j].gather(1, index[:, None])[:, 0])
+        probs = torch.stack(q_rows, 1) if any_sampled else None
+        return Proposal(torch.stack(path, 1), ids, probs)
+
+
+def _greedy_path(first: torch.Tensor, moves: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The greedy walk over precomputed scores: each row's best first candidate, then the best
+    candidate after the one chosen (argmaxes taken once, the walk in Python over their lists)."""
+    start = first.argmax(dim=-1).tolist()  # [R]
+    best = moves.argmax(dim=-1).tolist()  # [R][K - 1][k_prev] -> best next index
+    chosen = []
+    for r, index in enumerate(start):
+        row = [index]
+        for step in best[r]:
+            row.append(step[row[-1]])
+        chosen.append(row)
+    index = torch.tensor(chosen, device=ids.device)  # [R, K]
+    return ids.gather(2, index[..., None])[..., 0]
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
