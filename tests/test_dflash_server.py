@@ -48,13 +48,13 @@ def generate_all(server, max_new=16) -> list[list[int]]:
         return list(pool.map(one, PROMPTS))
 
 
-def chat_all(server, questions, **extra) -> list:
+def chat_all(server, questions, max_tokens=48, **extra) -> list:
     client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
 
     def one(question):
         return client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": question}], temperature=0,
-            max_tokens=48, **extra).choices[0]  # fmt: skip
+            max_tokens=max_tokens, **extra).choices[0]  # fmt: skip
 
     with ThreadPoolExecutor(len(questions)) as pool:
         return list(pool.map(one, questions))
@@ -90,7 +90,7 @@ def _embedded_runs(*flags) -> tuple[list, list, float]:
     with running_server(default_model_path(), *flags) as server:
         native = generate_all(server, max_new=32)
         chats = chat_all(server, CHATS)
-        structured = chat_all(server, CHATS[:1], response_format={
+        structured = chat_all(server, CHATS[:1], max_tokens=200, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})  # fmt: skip
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         accept = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
