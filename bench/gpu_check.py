@@ -184,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy bandwidth {report['bandwidth'] / 1e12:.2f} TB/s, context {context}")
         print(table(rows))
         report["dflash_verify"] = verify_rows(shapes["tp"], args.batches, context, args.iters)
-        print("DFLASH verify (block 8, taps):", ", ".join(
-            f"{r['requests']} req {r['verify_ms']:.2f} ms" for r in report["dflash_verify"]))
+        print(
+            "DFLASH verify (block 8, taps):",
+            ", ".join(
+                f"{r['requests']} req {r['verify_ms']:.2f} ms" for r in report["dflash_verify"]
+            ),
+        )
         replays = [row.pop("replay_check") for row in rows + report["dflash_verify"]]
         for check in replays:
             print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['error']:.2e}")

@@ -23,8 +23,11 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 TAPS = (5, 14, 24, 33, 42)  # the guide's drafter's target layers (GLM-5.3, 78 layers)
 
 
+GLM53_DRAFTER = (HEADS, KV_HEADS, HEAD_DIM)
+
+
 def check_draft_attention(context: int, batch: int, window: int | None,
-                          heads: tuple[int, int, int] = (HEADS, KV_HEADS, HEAD_DIM)) -> dict:  # fmt: skip
+                          heads: tuple[int, int, int] = GLM53_DRAFTER) -> dict:  # fmt: skip
     from dsaserve.kernels.triton_draft_attention import draft_attention
 
     q_heads, kv_heads, dim = heads
@@ -43,14 +46,14 @@ def check_draft_attention(context: int, batch: int, window: int | None,
     v = torch.randn(batch, BLOCK, kv_heads, dim, device=DEVICE, generator=g).bfloat16()
     block = torch.ones(BLOCK, BLOCK, dtype=torch.bool, device=DEVICE)
     args = (q, cache, table, allowed, k, v, block, dim**-0.5)
-    got, want = draft_attention(*args), reference(*(a.float() if a.is_floating_point()
-                                                    else a for a in args[:7]), dim**-0.5)  # fmt: skip
+    as_fp32 = [a.float() if a.is_floating_point() else a for a in args[:7]]
+    got, want = draft_attention(*args), reference(*as_fp32, dim**-0.5)
     name = f"draft attention ctx {context} x{batch}" + (f" window {window}" if window else "")
     return _check(name, _rel(got.float(), want), 2e-2)  # bf16 inputs and output
 
 
 def run_dflash_checks(contexts: list[int], tiny: bool) -> list[dict]:
-    heads = (4, 2, 32) if tiny else (HEADS, KV_HEADS, HEAD_DIM)
+    heads = (4, 2, 32) if tiny else GLM53_DRAFTER
     return [check_draft_attention(ctx, batch, window, heads)
             for ctx in contexts for batch in (1, 8) for window in (None, ctx // 4)]  # fmt: skip
 

@@ -66,10 +66,10 @@ def _refuse_layouts(args: ServerArgs) -> None:
                         "use --tp (the drafter runs on the leader rank)")  # fmt: skip
     if args.disaggregation_mode != "null":
         raise ArgsError("--speculative-algorithm DFLASH with --disaggregation-mode is not "
-                        "supported yet (the drafter's context would have to be transferred)")  # fmt: skip
+                        "supported yet (the drafter's context would have to move too)")  # fmt: skip
     if args.enable_hierarchical_cache:
-        raise ArgsError("--speculative-algorithm DFLASH with --enable-hierarchical-cache is not "
-                        "supported yet (host pages do not carry the drafter's entries)")  # fmt: skip
+        raise ArgsError("--speculative-algorithm DFLASH with --enable-hierarchical-cache is "
+                        "not supported yet (host pages lack the drafter's entries)")  # fmt: skip
 
 
 def _block_size(args: ServerArgs) -> int | None:
@@ -90,10 +90,10 @@ def _draft_path(args: ServerArgs) -> str:
     if args.speculative_draft_model_path:
         path = Path(args.speculative_draft_model_path)
         if not (path / "config.json").is_file():
-            raise ArgsError(f"--speculative-draft-model-path {path}: no config.json there (a "
-                            "local DFlash drafter folder is needed; no model hub is reached)")  # fmt: skip
+            raise ArgsError(f"--speculative-draft-model-path {path}: no config.json there "
+                            "(a local DFlash drafter folder; no model hub is reached)")  # fmt: skip
         return str(path)
     if Path(args.model_path).resolve() == default_model_path().resolve():
         return str(default_drafter_path())
     raise ArgsError("DFLASH speculative decoding requires setting "
-                    "--speculative-draft-model-path (a DFlash / DFlash2 drafter folder)")  # fmt: skip
+                    "--speculative-draft-model-path (a DFlash / DFlash2 folder)")  # fmt: skip

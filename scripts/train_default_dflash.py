@@ -48,7 +48,7 @@ MASK_TOKEN = "[MASK]"
 
 
 def drafter_config(args, target: dict, mask_id: int) -> dict:
-    """The published DFlash2 config.json layout (z-lab/dflash tests/fixtures/dflash2-config.json)."""
+    """The published DFlash2 config.json layout (z-lab/dflash's dflash2-config.json fixture)."""
     return {
         "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "attention_bias": False,
         "attention_dropout": 0.0, "is_causal": False, "dtype": "float32",
@@ -94,7 +94,9 @@ class Batch:
         for s, e in enumerate(examples):
             self.taps[s, : e.ids.shape[0]] = e.taps.float()
             pool = e.anchors.tolist()
-            chosen = rng.sample(pool, anchors) if len(pool) >= anchors else rng.choices(pool, k=anchors)
+            chosen = (
+                rng.sample(pool, anchors) if len(pool) >= anchors else rng.choices(pool, k=anchors)
+            )
             starts += chosen
             first += e.ids[chosen].tolist()
             labels.append(e.labels[chosen])
@@ -111,7 +113,9 @@ class Batch:
         seqs, width = self.taps.shape[:2]
         rows, block = self.positions.shape
         per_seq = self.anchors * block
-        starts = self.starts.view(seqs, self.anchors, 1).expand(-1, -1, block).reshape(seqs, per_seq)
+        starts = (
+            self.starts.view(seqs, self.anchors, 1).expand(-1, -1, block).reshape(seqs, per_seq)
+        )
         key = torch.arange(width)[None, None]
         ctx = (key < starts[..., None]) & (key < self.lengths[:, None, None])
         owner = torch.arange(per_seq) // block
@@ -173,8 +177,14 @@ def accept_length(drafter, embed, lm_head, examples: list[Example], block: int, 
         logits = drafter.logits(hidden[:, 1:], lm_head)
         zeros = torch.zeros(logits.shape[0])
         unary, ids = drafter.candidate_selector.candidates(logits)
-        path = drafter.candidate_selector.walk(hidden[:, 1:], unary, ids, batch.block_ids[:, 0],
-                                               zeros, zeros[:, None].expand(-1, block - 1))
+        path = drafter.candidate_selector.walk(
+            hidden[:, 1:],
+            unary,
+            ids,
+            batch.block_ids[:, 0],
+            zeros,
+            zeros[:, None].expand(-1, block - 1),
+        )
         good = (path.tokens == batch.labels) & (batch.labels != IGNORE)
         total += (good.long().cumprod(1).sum(1) + 1).sum().item()
         count += good.shape[0]
@@ -248,8 +258,8 @@ def main() -> None:
     drafter = DFlashDraftModel(DFlashConfig.from_dict(config, str(args.out)))
     init_weights(drafter, args.seed)
     if args.init_from:
-        drafter.load_state_dict({k: v.float() for k, v in
-                                 load_file(args.init_from / "model.safetensors").items()})  # fmt: skip
+        state = load_file(args.init_from / "model.safetensors")
+        drafter.load_state_dict({k: v.float() for k, v in state.items()})
         log({"stage": "init", "from": str(args.init_from)})
     start = time.time()
     train, held_out = load_data(args)
@@ -292,8 +302,16 @@ def train_loop(args, drafter, config, embed, lm_head, train, held_out, mask_id, 
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         if step % args.log_every == 0:
-            log({"stage": "train", "step": step, "lm": round(lm.item(), 4),
-                 "selector": round(float(sel.detach() if torch.is_tensor(sel) else sel), 4), "elapsed_s": round(time.time() - start, 1)})  # fmt: skip
+            selector = float(sel.detach() if torch.is_tensor(sel) else sel)
+            log(
+                {
+                    "stage": "train",
+                    "step": step,
+                    "lm": round(lm.item(), 4),
+                    "selector": round(selector, 4),
+                    "elapsed_s": round(time.time() - start, 1),
+                }
+            )
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             drafter.eval()
             tau = accept_length(drafter, embed, lm_head, held_out, args.block_size, mask_id)

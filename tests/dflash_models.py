@@ -58,13 +58,15 @@ def random_tensors(config: dict, seed: int = 0, scale: float = 0.05) -> dict[str
            "hidden_norm.weight": norm(h), "norm.weight": norm(h)}  # fmt: skip
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
-        out |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+        out |= {p + "input_layernorm.weight": norm(h),
+                p + "post_attention_layernorm.weight": norm(h),
                 p + "self_attn.q_proj.weight": rand(heads * d, h),
                 p + "self_attn.k_proj.weight": rand(kv * d, h),
                 p + "self_attn.v_proj.weight": rand(kv * d, h),
                 p + "self_attn.o_proj.weight": rand(h, heads * d),
                 p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d),
-                p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+                p + "mlp.gate_proj.weight": rand(inter, h),
+                p + "mlp.up_proj.weight": rand(inter, h),
                 p + "mlp.down_proj.weight": rand(h, inter)}  # fmt: skip
         if "conv_kernel_size" in draft:
             k, groups = draft["conv_kernel_size"], h // draft["conv_group_size"]

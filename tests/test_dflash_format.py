@@ -21,7 +21,6 @@ from dflash_models import drafter_config, random_tensors, write_drafter
 from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
 
-from dsaserve.args import ServerArgs
 from dsaserve.engine.dflash_draft import DraftContext, Drafter
 from dsaserve.kernels.registry import Kernels
 from dsaserve.model_config import ModelConfig
@@ -30,14 +29,20 @@ from dsaserve.models.dflash_loader import load_drafter
 from dsaserve.server import launch
 
 # the reference fixture's tensor names (z-lab/dflash tests/fixtures/dflash2-safetensors-header.json)
-TOP = ["candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook",
-       "candidate_selector.successor_codebook", "fc.weight", "hidden_norm.weight", "norm.weight"]
+TOP = [
+    "candidate_selector.hidden_projection.weight",
+    "candidate_selector.predecessor_codebook",
+    "candidate_selector.successor_codebook",
+    "fc.weight",
+    "hidden_norm.weight",
+    "norm.weight",
+]
 PER_LAYER = ["attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
              "input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight",
              "mlp.up_proj.weight", "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight",
-             "post_attention_layernorm.weight", "self_attn.k_norm.weight", "self_attn.k_proj.weight",
-             "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight",
-             "self_attn.v_proj.weight"]  # fmt: skip
+             "post_attention_layernorm.weight", "self_attn.k_norm.weight",
+             "self_attn.k_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+             "self_attn.q_proj.weight", "self_attn.v_proj.weight"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -134,21 +139,27 @@ def reference_block(w, cfg, taps, ctx_pos, ids, pos, embed, head):
     ctx = _rms(taps @ w["fc.weight"].T, w["hidden_norm.weight"])
     x, k_conv = embed[ids], draft.get("conv_kernel_size")
     for i in range(cfg["num_hidden_layers"]):
-        p = lambda n: w[f"layers.{i}.{n}"]  # noqa: E731
+        p = lambda n, i=i: w[f"layers.{i}.{n}"]  # noqa: E731
         h = _rms(x, p("input_layernorm.weight"))
         if k_conv:
             dyn = (h @ p("attention_conv.kernel_projection.weight").T).view(len(ids), 2, k_conv, -1)
             h = _conv(h, dyn[:, 0], p("attention_conv.base_kernel")[0], draft["conv_group_size"])
-        q = _rms((h @ p("self_attn.q_proj.weight").T).view(-1, heads, d), p("self_attn.q_norm.weight"))
+        q = _rms(
+            (h @ p("self_attn.q_proj.weight").T).view(-1, heads, d), p("self_attn.q_norm.weight")
+        )
         both = torch.cat([ctx, h])
-        k = _rms((both @ p("self_attn.k_proj.weight").T).view(-1, kv, d), p("self_attn.k_norm.weight"))
+        k = _rms(
+            (both @ p("self_attn.k_proj.weight").T).view(-1, kv, d), p("self_attn.k_norm.weight")
+        )
         v = (both @ p("self_attn.v_proj.weight").T).view(-1, kv, d)
         q = _rope(q.transpose(0, 1), pos, theta, d)
         k = _rope(k.transpose(0, 1), torch.cat([ctx_pos, pos]), theta, d)
         out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1), enable_gqa=True)
         attn = out.transpose(0, 1).reshape(len(ids), -1) @ p("self_attn.o_proj.weight").T
         if k_conv:
-            attn = _conv(attn, dyn[:, 1], p("attention_conv.base_kernel")[1], draft["conv_group_size"])
+            attn = _conv(
+                attn, dyn[:, 1], p("attention_conv.base_kernel")[1], draft["conv_group_size"]
+            )
         x = x + attn
         h = _rms(x, p("post_attention_layernorm.weight"))
         if k_conv:
@@ -214,8 +225,9 @@ def test_served_drafter_equals_reference(target, tmp_path, backend, v2):
         context.write(taps, torch.arange(length), slots[:length])
         last = int(torch.randint(0, 384, (1,), generator=gen))
         ids = torch.tensor([last] + [1] * 4)
-        expected.append(reference_block(w, cfg, taps, torch.arange(length), ids,
-                                        torch.arange(length, length + 5), embed, head)[1])  # fmt: skip
+        block = torch.arange(length, length + 5)
+        expected.append(reference_block(w, cfg, taps, torch.arange(length), ids, block, embed,
+                                        head)[1])  # fmt: skip
         reqs.append(_Req(list(range(length)) + [last], length, slots))
     proposals = drafter.propose(reqs, [False] * 3, sampler=None)
     assert proposals.tokens == expected

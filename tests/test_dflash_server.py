@@ -40,8 +40,8 @@ def served(request, tmp_path_factory):
 
 def generate_all(server, max_new=16) -> list[list[int]]:
     def one(ids):
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new,
-                                                      "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        sampling = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+        body = {"input_ids": ids, "sampling_params": sampling}
         return httpx.post(server.url + "/generate", json=body, timeout=300).json()
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # one batch of mixed lengths
@@ -95,7 +95,11 @@ def _embedded_runs(*flags) -> tuple[list, list, float]:
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         accept = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
     texts = [(c.message.content, getattr(c.message, "reasoning_content", None)) for c in chats]
-    return [r["output_ids"] for r in native] + [s.message.content for s in structured], texts, accept
+    return (
+        [r["output_ids"] for r in native] + [s.message.content for s in structured],
+        texts,
+        accept,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +124,8 @@ def test_perturbed_drafter_changes_only_speed(embedded_plain, tmp_path):
             noise = torch.randn(t.shape, generator=gen) * t.float().std()
             tensors[name] = (t.float() + 0.7 * noise).to(t.dtype)
     save_file(tensors, str(folder / "model.safetensors"))
-    native, texts, accept = _embedded_runs("--speculative-algorithm", "DFLASH2",
-                                           "--speculative-draft-model-path", str(folder))  # fmt: skip
+    flags = ["--speculative-algorithm", "DFLASH2", "--speculative-draft-model-path", str(folder)]
+    native, texts, accept = _embedded_runs(*flags)
     assert (native, texts) == embedded_plain[:2]
     assert 1.0 <= accept < 3.0
 
@@ -130,8 +134,11 @@ def test_disconnect_mid_stream_frees_kv(served):
     target, drafter = served
     flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter)]
     with running_server(target, *flags) as server:
-        body = {"input_ids": PROMPTS[0], "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+        body = {
+            "input_ids": PROMPTS[0],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as stream:
             for _ in zip(range(3), stream.iter_lines()):
                 pass

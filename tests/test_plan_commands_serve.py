@@ -76,7 +76,11 @@ def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]
                 if command.role != "router":
                     key = f"tp{lay.tp} dp{lay.dp} ep{lay.ep} dpa{int(lay.dp_attention)}"
                     spec = lay.speculative
-                    key += f" {'dflash' if spec.algorithm == 'DFLASH' else 'eagle'}" if spec else " plain"
+                    key += (
+                        f" {'dflash' if spec.algorithm == 'DFLASH' else 'eagle'}"
+                        if spec
+                        else " plain"
+                    )
                     key += f" {command.role}" if command.role != "serve" else ""
                     out.append((key, shlex.split(command.dsaserve)[2:]))
     return out

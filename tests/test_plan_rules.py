@@ -215,7 +215,10 @@ def test_dflash2_without_dp_attention_is_planned():
     assert args.speculative_num_draft_tokens is None and args.speculative_num_steps is None
     command = p.commands[0]
     assert command.sglang.split()[2:] == command.dsaserve.split()[2:]
-    assert "--speculative-algorithm DFLASH --speculative-draft-model-path incoai/GLM-5.3-DFlash2" in command.sglang
+    assert (
+        "--speculative-algorithm DFLASH --speculative-draft-model-path incoai/GLM-5.3-DFlash2"
+        in command.sglang
+    )
     own = plan(R(model="GLM-5.3", speculative="dflash2", draft_model="/models/my-dflash"))
     assert serve_args(own).speculative_draft_model_path == "/models/my-dflash"
     with pytest.raises(Refusal, match="no DFlash drafter is known for DeepSeek-V3.2"):

@@ -89,10 +89,12 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
         ModelSpec("GLM-5.3", "zai-org/GLM-5.3", precision="fp8", **_GLM5, **_GLM53_DRAFTER),
-        ModelSpec("GLM-5.3-BF16", "zai-org/GLM-5.3-BF16", precision="bf16", **_GLM5,
-                  **_GLM53_DRAFTER),
-        ModelSpec("GLM-5.3-NVFP4", "nvidia/GLM-5.3-NVFP4", precision="nvfp4", **_GLM5,
-                  **_GLM53_DRAFTER),
+        ModelSpec(
+            "GLM-5.3-BF16", "zai-org/GLM-5.3-BF16", precision="bf16", **_GLM5, **_GLM53_DRAFTER
+        ),
+        ModelSpec(
+            "GLM-5.3-NVFP4", "nvidia/GLM-5.3-NVFP4", precision="nvfp4", **_GLM5, **_GLM53_DRAFTER
+        ),
         ModelSpec("DeepSeek-V3.2", "deepseek-ai/DeepSeek-V3.2", precision="fp8", **_DEEPSEEK_V32),
     ]
 }

@@ -154,8 +154,9 @@ class CudaGraphRunner:
             return None
         rows = row_buckets(max_bs or min(running, MAX_DEFAULT_BS), spec_steps)
         scratch = page[0] * pool.page_size
-        return cls(model, pool, kernels, rows, pool.num_tokens, scratch, device.type == "cuda",
-                   taps)
+        return cls(
+            model, pool, kernels, rows, pool.num_tokens, scratch, device.type == "cuda", taps
+        )
 
     def bucket(self, batch: ForwardBatch) -> Bucket | None:
         """The bucket an all-decode batch replays in, or None (run it eagerly)."""

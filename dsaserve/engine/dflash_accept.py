@@ -48,7 +48,8 @@ class Acceptor:
         self.sampler, self.append = sampler, append
 
     def run(self, reqs: list[Req], first_row: dict[int, int], logits: torch.Tensor,
-            drafts: dict[int, int], proposals: Proposals | None, k: int) -> tuple[list[int], SpecCounters]:  # fmt: skip
+            drafts: dict[int, int], proposals: Proposals | None,
+            k: int) -> tuple[list[int], SpecCounters]:  # fmt: skip
         """`first_row[i]`: entry i's first logits row (verify entries have k + 1 rows, others
         one); `drafts[i]`: entry i's row in `proposals` (verify entries only)."""
         states = [reqs[i].sampling for i in first_row]
@@ -81,6 +82,7 @@ class Acceptor:
 
     def _row(self, reqs, active, first_row, r, logits, drafts, proposals, k, greedy_ids):
         """({entry: (token, logprob)}, {entry: draft accepted}) for row r of the active entries."""
+
         def draft(i: int) -> int | None:
             return proposals.tokens[drafts[i]][r] if i in drafts and r < k else None
 

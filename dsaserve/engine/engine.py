@@ -23,7 +23,12 @@ from dsaserve.engine.admission import check_params, check_request, sampling_para
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.dflash_setup import block_size, build_decoder, context_bytes_per_token, load_dflash
+from dsaserve.engine.dflash_setup import (
+    block_size,
+    build_decoder,
+    context_bytes_per_token,
+    load_dflash,
+)
 from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool

@@ -167,7 +167,9 @@ class SpecDecoder:
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
         return self.runner.run_target(batch)  # a CUDA graph replay where one fits
 
-    def _accept(self, scheduled, layout: VerifyLayout, drafts, hidden, sampler, append) -> list[int]:
+    def _accept(
+        self, scheduled, layout: VerifyLayout, drafts, hidden, sampler, append
+    ) -> list[int]:
         """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""
         reqs, k = scheduled.reqs, self.num_steps
         first_row: dict[int, int] = {}  # entry -> index of its first logits row

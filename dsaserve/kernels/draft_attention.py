@@ -28,7 +28,11 @@ def draft_attention(q, cache, ctx_slots, ctx_allowed, k_block, v_block, block_al
     values = torch.cat([ctx[:, :, 1].to(q.dtype), v_block], dim=1)
     allowed = torch.cat([ctx_allowed, block_allowed[None].expand(rows, -1, -1)], dim=-1)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=allowed[:, None], scale=scale, enable_gqa=True,
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=allowed[:, None],
+        scale=scale,
+        enable_gqa=True,
     )  # [R, Hq, B, d]; query head h reads KV head h // (Hq / Hkv)
     return out.transpose(1, 2)

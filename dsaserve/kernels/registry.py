@@ -9,7 +9,7 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
 | `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, triton, deep_gemm |
 | `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton, deep_gemm |
-| `draft_attention` (a DFlash drafter's block over its context) | `--speculative-draft-attention-backend` | torch, triton |
+| `draft_attention` (DFlash block) | `--speculative-draft-attention-backend` | torch, triton |
 | `sampling` | (none) | torch |
 
 `torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`

@@ -35,7 +35,7 @@ from dsaserve.layers.rotary import Rotary, apply_rotary
 from dsaserve.models.dflash_config import DFlashConfig
 from dsaserve.models.dflash_selector import CandidateSelector
 
-# attend(layer, q [R, B, heads, d], k [R, B, kv_heads, d], v [R, B, kv_heads, d]) -> [R, B, heads, d]:
+# attend(layer, q [R, B, heads, d], k, v [R, B, kv_heads, d]) -> [R, B, heads, d]:
 # the block's queries over that layer's context entries and the block's own keys and values
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Rope = Callable[[torch.Tensor], torch.Tensor]  # [N, heads, d] -> rotated at each row's position
@@ -191,8 +191,11 @@ class DFlashDraftModel(nn.Module):
             entries.append(torch.cat([k.flatten(1), v.flatten(1)], dim=-1))  # [K ‖ V]
         return torch.stack(entries)
 
-    def block_hidden(self, noise: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """noise [R, B, H] (the block's embeddings) at positions [R, B] -> normed hidden [R, B, H]."""
+    def block_hidden(
+        self, noise: torch.Tensor, positions: torch.Tensor, attend: Attend
+    ) -> torch.Tensor:
+        """noise [R, B, H] (the block's embeddings) at positions [R, B] -> normed hidden
+        [R, B, H]."""
         # one [rows, d, d] rotation per block row, applied to every layer's q and k in one bmm
         rot = rotation(*self.cos_sin(positions, noise.dtype), interleave=False)
         rope = lambda t: torch.bmm(t, rot)  # noqa: E731  t [rows, heads, d]

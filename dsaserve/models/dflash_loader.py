@@ -42,8 +42,8 @@ def load_drafter(path: str | Path, target: ModelConfig, dtype: torch.dtype,
                  if not name.endswith(SKIPPED)}  # fmt: skip
     missing = sorted(set(params) - set(locations))
     if missing:
-        raise CheckpointError(f"drafter {path}: tensor {missing[0]} is missing"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")  # fmt: skip
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"drafter {path}: tensor {missing[0]} is missing{more}")
     extra = sorted(set(locations) - set(params))
     if extra:
         raise CheckpointError(f"drafter {path}: unexpected tensor {locations[extra[0]][0]} (not "

@@ -58,7 +58,8 @@ class CandidateSelector(nn.Module):
         projected = self.hidden_projection(hidden)  # [R, K, rank]
         succ = self.successor_codebook[ids]  # [R, K, k, rank]
         first = unary[:, 0] + torch.einsum(
-            "rd,rkd->rk", self.predecessor_codebook[anchor] * projected[:, 0], succ[:, 0])
+            "rd,rkd->rk", self.predecessor_codebook[anchor] * projected[:, 0], succ[:, 0]
+        )
         after = self.predecessor_codebook[ids[:, :-1]] * projected[:, 1:, None]  # [R, K-1, k, d]
         moves = unary[:, 1:, None] + torch.einsum("rjpd,rjkd->rjpk", after, succ[:, 1:])
         sampled = temperatures > 0
