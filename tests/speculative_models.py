@@ -26,6 +26,13 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32De
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
 
 
+def mixed_prompts() -> list[list[int]]:
+    """Seven seeded random prompts of mixed lengths (1 to 40 tokens) over a 380-token range."""
+    generator = torch.Generator().manual_seed(7)
+    lengths = [3, 9, 17, 40, 5, 1, 21]
+    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+
+
 def make_mtp_checkpoint(
     folder: Path, kind: str = "glm", seed: int = 0, mode: str = "echo", **overrides
 ) -> Path:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from dflash_models import write_drafter
+from speculative_models import mixed_prompts
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
@@ -31,9 +31,7 @@ def target(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    generator = torch.Generator().manual_seed(7)
-    lengths = [3, 9, 17, 40, 5, 1, 21]
-    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+    return mixed_prompts()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from speculative_models import make_mtp_checkpoint
+from speculative_models import make_mtp_checkpoint, mixed_prompts
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.io import GenerateRequest
@@ -30,9 +30,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    generator = torch.Generator().manual_seed(7)
-    lengths = [3, 9, 17, 40, 5, 1, 21]
-    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+    return mixed_prompts()
 
 
 @pytest.fixture(scope="module")

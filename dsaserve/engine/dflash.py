@@ -85,15 +85,7 @@ class DFlashDecoder:
 
     def _accept(self, scheduled, layout, drafting, proposals, hidden, sampler, append) -> list[int]:
         reqs, k = scheduled.reqs, self.num_steps
-        first_row: dict[int, int] = {}  # entry -> index of its first logits row
-        rows: list[int] = []
-        for i, req in enumerate(reqs):
-            if layout.verify[i]:
-                first_row[i] = len(rows)
-                rows += range(layout.offsets[i], layout.offsets[i] + k + 1)
-            elif scheduled.ends[i] == len(req.fill_ids):
-                first_row[i] = len(rows)
-                rows.append(layout.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
+        first_row, rows = layout.logits_rows(scheduled, k)
         width = self.model.config.hidden_size
         picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
         logits = self.model.logits(hidden[picked, :width])

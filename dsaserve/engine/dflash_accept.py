@@ -72,12 +72,7 @@ class Acceptor:
                     if not reqs[i].finished:
                         still.append(i)
             active = still
-        for i in drafts:
-            reqs[i].spec_verify_ct += 1
-            reqs[i].spec_proposed_drafts += k
-            counts.verify_ct += 1
-            counts.proposed_drafts += k
-            counts.verify_tokens += emitted[i]
+        counts.count_verifies([reqs[i] for i in drafts], [emitted[i] for i in drafts], k)
         return emitted, counts
 
     def _row(self, reqs, active, first_row, r, logits, drafts, proposals, k, greedy_ids):

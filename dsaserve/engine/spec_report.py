@@ -21,6 +21,16 @@ class SpecCounters:
     correct_drafts: int = 0
     proposed_drafts: int = 0
 
+    def count_verifies(self, reqs: list, emitted: list[int], drafts: int) -> None:
+        """One verify step of each of `reqs` (`drafts` proposed, `emitted[i]` tokens out), in
+        these counters and in each request's own."""
+        for req, tokens in zip(reqs, emitted):
+            req.spec_verify_ct += 1
+            req.spec_proposed_drafts += drafts
+            self.verify_ct += 1
+            self.proposed_drafts += drafts
+            self.verify_tokens += tokens
+
     def add(self, other: SpecCounters) -> None:
         for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -73,6 +73,20 @@ class VerifyLayout:
             self.offsets.append(row)
             row += e - s
 
+    def logits_rows(self, scheduled: ScheduledBatch, k: int) -> tuple[dict[int, int], list[int]]:
+        """({entry: index of its first logits row}, the hidden rows to take logits of): every
+        row of a verify run (k + 1), the last row of a chunk that ends its prompt."""
+        first_row: dict[int, int] = {}
+        rows: list[int] = []
+        for i, req in enumerate(scheduled.reqs):
+            if self.verify[i]:
+                first_row[i] = len(rows)
+                rows += range(self.offsets[i], self.offsets[i] + k + 1)
+            elif scheduled.ends[i] == len(req.fill_ids):
+                first_row[i] = len(rows)
+                rows.append(self.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
+        return first_row, rows
+
 
 def is_plain_greedy(state: SamplingState) -> bool:
     """Greedy with nothing that depends on the output so far (the sampler's argmax path).
@@ -172,15 +186,7 @@ class SpecDecoder:
     ) -> list[int]:
         """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""
         reqs, k = scheduled.reqs, self.num_steps
-        first_row: dict[int, int] = {}  # entry -> index of its first logits row
-        rows: list[int] = []
-        for i, req in enumerate(reqs):
-            if layout.verify[i]:
-                first_row[i] = len(rows)
-                rows += range(layout.offsets[i], layout.offsets[i] + k + 1)
-            elif scheduled.ends[i] == len(req.fill_ids):
-                first_row[i] = len(rows)
-                rows.append(layout.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
+        first_row, rows = layout.logits_rows(scheduled, k)
         picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
         logits = self.model.logits(hidden[picked])
         states = [reqs[i].sampling for i in first_row]
@@ -205,12 +211,7 @@ class SpecDecoder:
                     if not reqs[i].finished:
                         still.append(i)
             active = still
-        for i in draft_of:
-            reqs[i].spec_verify_ct += 1
-            reqs[i].spec_proposed_drafts += k
-            step.verify_ct += 1
-            step.proposed_drafts += k
-            step.verify_tokens += emitted[i]
+        step.count_verifies([reqs[i] for i in draft_of], [emitted[i] for i in draft_of], k)
         self.report.add(step)
         return emitted
 

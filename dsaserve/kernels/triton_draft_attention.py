@@ -18,6 +18,17 @@ BLOCK_N = 32
 
 
 @triton.jit
+def _attend_tile(q, k, v, ok, m_i, denom, acc, sm_scale):
+    """One online-softmax step over a tile of keys k and values v [N, D] where ok [M, N]."""
+    s = tl.where(ok, tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale, -1e30)
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
+    alpha = tl.exp(m_i - m_new)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    return m_new, denom, acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+
+
+@triton.jit
 def _draft_attention_kernel(
     q_ptr, cache_ptr, slots_ptr, allowed_ptr, k_ptr, v_ptr, block_allowed_ptr, out_ptr,
     L, B, KV, D, sm_scale, cache_stride,
@@ -48,14 +59,7 @@ def _draft_attention_kernel(
         base = cache_ptr + slot[:, None] * cache_stride + ds[None, :]
         k = tl.load(base + h * D, mask=kv_mask, other=0.0).to(tl.float32)
         v = tl.load(base + (KV + h) * D, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-        s = tl.where(ok, s, -1e30)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        m_i, denom, acc = _attend_tile(q, k, v, ok, m_i, denom, acc, sm_scale)
     bs = tl.arange(0, BLOCK_B)
     in_b = bs < B
     ok = tl.load(block_allowed_ptr + rows[:, None] * B + bs[None, :],
@@ -63,13 +67,7 @@ def _draft_attention_kernel(
     kv_off = ((r * B + bs[:, None]) * KV + h) * D + ds[None, :]  # k_block, v_block [R, B, KV, D]
     k = tl.load(k_ptr + kv_off, mask=in_b[:, None] & in_d[None, :], other=0.0).to(tl.float32)
     v = tl.load(v_ptr + kv_off, mask=in_b[:, None] & in_d[None, :], other=0.0).to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-    s = tl.where(ok, s, -1e30)
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.where(ok, tl.exp(s - m_new[:, None]), 0.0)
-    alpha = tl.exp(m_i - m_new)
-    denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    m_i, denom, acc = _attend_tile(q, k, v, ok, m_i, denom, acc, sm_scale)
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     tl.store(out_ptr + ((r * B + rows[:, None]) * KV * G + heads[:, None]) * D + ds[None, :],
              out, mask=in_m[:, None] & in_d[None, :])  # fmt: skip
