@@ -64,6 +64,19 @@ class RankShapes:
     vocab: int
     index_topk: int = INDEX_TOPK
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each FP8 Linear of an attention block on one rank (q_a, kv_a and the
+        indexer replicated, the head-split ones divided by TP, as SGLang shards them)."""
+        s = self
+        return {
+            "q_a_proj": (s.q_lora, s.hidden),
+            "q_b_proj": (s.heads * (s.nope + s.rope), s.q_lora),
+            "kv_a_proj_with_mqa": (s.rank + s.rope, s.hidden),
+            "o_proj": (s.hidden, s.heads * s.v_dim),
+            "indexer.wq_b": (s.index_heads * s.index_dim, s.q_lora),
+            "indexer.wk": (s.index_dim, s.hidden),
+        }  # fmt: skip
+
 
 def rank_shapes(spec: ModelSpec, tp: int = 8, moe: str = "tp") -> RankShapes:
     if moe not in ("tp", "ep"):
@@ -81,17 +94,6 @@ def rank_shapes(spec: ModelSpec, tp: int = 8, moe: str = "tp") -> RankShapes:
     )  # fmt: skip
 
 
-def linear_shapes(s: RankShapes) -> dict[str, tuple[int, int]]:
-    """(out, in) of each FP8 Linear of an attention block on one rank (q_a, kv_a and the indexer
-    replicated, the head-split ones divided by TP, as SGLang shards them)."""
-    return {
-        "q_a_proj": (s.q_lora, s.hidden), "q_b_proj": (s.heads * (s.nope + s.rope), s.q_lora),
-        "kv_a_proj_with_mqa": (s.rank + s.rope, s.hidden), "o_proj": (s.hidden, s.heads * s.v_dim),
-        "indexer.wq_b": (s.index_heads * s.index_dim, s.q_lora),
-        "indexer.wk": (s.index_dim, s.hidden),
-    }  # fmt: skip
-
-
 def experts_touched(batch: int, experts: int = 256, k: int = TOP_K_EXPERTS) -> float:
     """Expected distinct routed experts a decode step of `batch` tokens uses (uniform routing)."""
     return experts * (1 - (1 - k / experts) ** batch)
@@ -99,7 +101,7 @@ def experts_touched(batch: int, experts: int = 256, k: int = TOP_K_EXPERTS) -> f
 
 def floor_bytes(s: RankShapes, batch: int, context: int, kv_fp8: bool = True) -> dict[str, float]:
     """Bytes one decode step must read on one rank: weights, touched experts, KV, indexer keys."""
-    attn = sum(o * i for o, i in linear_shapes(s).values()) * FP8_WEIGHT
+    attn = sum(o * i for o, i in s.linear_shapes().values()) * FP8_WEIGHT
     attn += s.heads * (s.nope + s.v_dim) * s.rank * 2  # kv_b (W_UK, W_UV) kept bf16
     moe_layers = s.layers - s.dense_layers
     expert = 3 * s.hidden * s.expert_inter * FP8_WEIGHT
@@ -158,8 +160,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from gpu_check_dflash import run_dflash_checks  # the torch / Triton part
-    from gpu_check_run import run_checks, run_timing, verify_rows
+    from gpu_check_dflash import run_dflash_checks, verify_rows  # the torch / Triton part
+    from gpu_check_run import run_checks, run_timing
 
     spec = BUILTIN_MODELS[args.model]
     shapes = {"tp": tiny_shapes(), "ep": tiny_shapes()} if args.tiny else {

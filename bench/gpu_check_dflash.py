@@ -12,6 +12,7 @@ import time
 
 import torch
 from gpu_check_kernels import DEVICE, _check, _gen, _rel
+from gpu_check_run import _sync, decode_batch, rank_model, triton_kernels
 
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.kv_pool import KVPool
@@ -61,8 +62,6 @@ def run_dflash_checks(contexts: list[int], tiny: bool) -> list[dict]:
 def time_verify(model, kernels, requests: int, context: int, iters: int, taps=TAPS) -> dict:
     """One DFLASH verify step (requests x BLOCK rows, each over its own prefix) with the taps,
     through the CUDA-graph runner, and its replay against the eager static step."""
-    from gpu_check_run import _sync, decode_batch
-
     config, page = model.config, 64
     taps = tuple(t for t in taps if t < config.num_hidden_layers) or (0,)
     rows = requests * BLOCK
@@ -90,3 +89,11 @@ def time_verify(model, kernels, requests: int, context: int, iters: int, taps=TA
            * 1e3, "taps": list(taps), "cuda_graph": capture, "replay_check": check}  # fmt: skip
     del runner, pool, step
     return row
+
+
+def verify_rows(s, batches: list[int], context: int, iters: int) -> list[dict]:
+    """DFLASH verify steps (block 8, with taps) of 1 and 8 requests."""
+    kernels = triton_kernels()
+    model = rank_model(s, kernels)
+    requests = sorted({1, min(8, max(batches))})
+    return [time_verify(model, kernels, r, context, iters) for r in requests]

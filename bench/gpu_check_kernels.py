@@ -1,19 +1,20 @@
 """The kernel half of bench/gpu_check.py: each Triton kernel against the torch reference at one
-rank's shapes (indexer, sparse MLA decode, block-FP8 GEMM, grouped FP8 experts in the decode and
-prefill layouts). bench/gpu_check_run.py holds the timing half."""
+rank's shapes (indexer, sparse MLA decode at the rank's heads and at 64, block-FP8 GEMM, grouped
+FP8 experts in the decode and prefill layouts, bf16 experts). bench/gpu_check_run.py holds the
+timing half; bench/gpu_check_compile.py how each of these compiles."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from dsaserve.engine.kv_quant import KV_STORE, quantize_entry, quantize_key
 from dsaserve.kernels import reference
 from dsaserve.kernels import triton_fp8_gemm as gemm
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.kernels.kv_quant import KV_STORE, quantize_entry, quantize_key
+from dsaserve.kernels.static_moe import static_experts
 from dsaserve.kernels.triton_indexer import indexer_decode_topk, indexer_scores
 from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode
-from dsaserve.layers.static_moe import static_experts
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -57,19 +58,22 @@ def check_indexer(s, context: int, batch: int = 4) -> list[dict]:
 
 
 def check_sparse_mla(s, batch: int = 4) -> list[dict]:
+    """The rank's heads (16-head tiles, mma.sync) and 64 (DP attention's whole GLM-5.3 layer: the
+    64-head wgmma / tcgen05 tile over a bf16 cache), bf16 and FP8 caches."""
     g = _gen(1)
     topk, width = s.index_topk, s.rank + s.rope
     entries = torch.randn(batch * topk, width, device=DEVICE, generator=g)
-    q = torch.randn(batch, s.heads, width, device=DEVICE, generator=g).bfloat16()
     slots = torch.randperm(batch * topk, device=DEVICE, generator=g).view(batch, topk)
     allowed = torch.rand(batch, topk, device=DEVICE, generator=g) < 0.9
     scale = (s.nope + s.rope) ** -0.5
     out = []
-    for name, cache in (("bf16", entries.bfloat16()), ("fp8", quantize_entry(entries, s.rank))):
-        got = sparse_mla_decode(q, cache, slots, allowed, s.rank, scale)
-        want = reference.sparse_mla_decode(q.float(), cache, slots, allowed, s.rank, scale)
-        out.append(_check(f"sparse MLA decode {s.heads} heads {name} cache top-{topk}",
-                          _rel(got.float(), want), 1e-2))  # fmt: skip
+    for heads in sorted({s.heads, 64}):
+        q = torch.randn(batch, heads, width, device=DEVICE, generator=g).bfloat16()
+        for name, cache in (("bf16", entries.bfloat16()), ("fp8", quantize_entry(entries, s.rank))):
+            got = sparse_mla_decode(q, cache, slots, allowed, s.rank, scale)
+            want = reference.sparse_mla_decode(q.float(), cache, slots, allowed, s.rank, scale)
+            out.append(_check(f"sparse MLA decode {heads} heads {name} cache top-{topk}",
+                              _rel(got.float(), want), 2e-2))  # fmt: skip
     return out
 
 
@@ -84,14 +88,37 @@ def check_gemm(name: str, n: int, k: int, m: int) -> dict:
                   _rel(got, a @ dequantize_block_fp8(w8, scale).T), 1e-4)  # fmt: skip
 
 
-def _random_experts(r, g: torch.Generator) -> nn.Module:
+def _random_experts(r, g: torch.Generator, fp8: bool = True) -> nn.Module:
     experts = nn.Module()
     for weight, shape in (("gate_up_proj", (2 * r.expert_inter, r.hidden)),
                           ("down_proj", (r.hidden, r.expert_inter))):  # fmt: skip
-        w8, scale = quantize_block_fp8(torch.randn(r.experts, *shape, device=DEVICE, generator=g))
+        w = torch.randn(r.experts, *shape, device=DEVICE, generator=g)
+        if not fp8:  # the BF16 checkpoint's experts
+            setattr(experts, weight, nn.Parameter((w * 0.02).bfloat16(), requires_grad=False))
+            continue
+        w8, scale = quantize_block_fp8(w)
         setattr(experts, weight, nn.Parameter(w8, requires_grad=False))
         setattr(experts, f"{weight}_scale_inv", nn.Parameter(scale * 0.02, requires_grad=False))
     return experts
+
+
+def check_moe_bf16(name: str, r, tokens: int) -> dict:
+    """bf16 experts (GLM-5.3-BF16) on tensor cores: `auto` (masked swap-AB tiles up to 64 rows,
+    contiguous 64-row tiles above) against the torch op in fp32 over the same bf16 values."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    g = _gen(r.experts + tokens + 1)
+    experts = _random_experts(r, g, fp8=False)
+    x = torch.randn(tokens, r.hidden, device=DEVICE, generator=g).bfloat16()
+    top_k = min(8, r.experts)
+    index = torch.rand(tokens, r.experts, device=DEVICE, generator=g).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=DEVICE, generator=g)
+    got = grouped_experts(experts, x, index, weights).float()
+    exact = nn.Module()
+    exact.gate_up_proj, exact.down_proj = experts.gate_up_proj.float(), experts.down_proj.float()
+    want = static_experts(exact, x.float(), index, weights)
+    label = f"{name} grouped bf16 experts ({r.experts} x {r.expert_inter}) batch {tokens}"
+    return _check(f"{label} vs fp32 torch", _rel(got, want), 1e-2)
 
 
 def check_moe(name: str, r, tokens: int) -> list[dict]:
@@ -164,15 +191,14 @@ def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
 
 
 def run_checks(shapes: dict, contexts: list[int], prefill: int = 4096) -> list[dict]:
-    from gpu_check import linear_shapes
-
     s = shapes["tp"]
     checks = [c for ctx in contexts for c in check_indexer(s, ctx)] + check_sparse_mla(s)
-    for name, (n, k) in linear_shapes(s).items():
+    for name, (n, k) in s.linear_shapes().items():
         checks += [check_gemm(name, n, k, m) for m in (1, 64)]
     for moe, r in shapes.items():
         checks.append(check_gemm(f"{moe} expert gate_up", 2 * r.expert_inter, r.hidden, 8))
         checks.append(check_gemm(f"{moe} expert down", r.hidden, r.expert_inter, 8))
         checks += [c for tokens in (1, 32) for c in check_moe(moe, r, tokens)]
+        checks += [check_moe_bf16(moe, r, tokens) for tokens in (1, 96)]
         checks.append(check_moe_prefill(moe, r, prefill))
     return checks

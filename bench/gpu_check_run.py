@@ -11,15 +11,15 @@ from gpu_check_kernels import DEVICE, _check, _rel, run_checks  # noqa: F401 (ru
 from torch import nn
 
 from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.forward_batch import ForwardBatch
 from dsaserve.engine.kv_pool import KVPool
-from dsaserve.kernels.fp8_experts import Fp8Experts
-from dsaserve.kernels.fp8_linear import keep_fp8
+from dsaserve.kernels.block_fp8 import FP8_DTYPE
 from dsaserve.kernels.registry import Kernels
+from dsaserve.layers.forward_batch import ForwardBatch
+from dsaserve.layers.fp8_experts import Fp8Experts
+from dsaserve.layers.fp8_linear import keep_fp8
 from dsaserve.layers.moe import MoE, Router
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
-from dsaserve.models.fp8 import FP8_DTYPE
 
 
 def copy_bandwidth() -> float:
@@ -172,13 +172,3 @@ def run_timing(s, batches: list[int], context: int, iters: int) -> tuple[float, 
     kernels = triton_kernels()
     model = rank_model(s, kernels)
     return bandwidth, [time_step(model, kernels, b, context, iters) for b in batches]
-
-
-def verify_rows(s, batches: list[int], context: int, iters: int) -> list[dict]:
-    """DFLASH verify steps (block 8, with taps) of 1 and 8 requests (bench/gpu_check_dflash.py)."""
-    from gpu_check_dflash import time_verify
-
-    kernels = triton_kernels()
-    model = rank_model(s, kernels)
-    requests = sorted({1, min(8, max(batches))})
-    return [time_verify(model, kernels, r, context, iters) for r in requests]

@@ -76,7 +76,7 @@ def run(model: Path, tp: int, args: argparse.Namespace, gloo: bool = False) -> d
     parallel, runner = llm.engine.parallel, getattr(llm.engine.model, "runner", None)
     comm0, sync0 = parallel.comm_seconds, runner.sync_seconds if runner else 0.0
     steps0 = runner.rounds if runner else 0
-    pids = [os.getpid()] + [c.pid for c in (llm.engine.ranks.children if llm.engine.ranks else [])]
+    pids = [os.getpid()] + [c.pid for c in (llm.ranks.children if llm.ranks else [])]
     cpu0 = [cpu_seconds(pid) for pid in pids]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -43,7 +43,7 @@ def main() -> None:
     engine = llm.engine
     prompts = [torch.randint(1, engine.model_config.vocab_size, (64,)).tolist() for _ in range(32)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    pids = [os.getpid()] + [c.pid for c in (engine.ranks.children if engine.ranks else [])]
+    pids = [os.getpid()] + [c.pid for c in (llm.ranks.children if llm.ranks else [])]
     phases = {"prefill": [0, 0.0, [0.0] * len(pids)], "decode": [0, 0.0, [0.0] * len(pids)]}
     step, forward, kind = engine.step, engine.runner.forward, ["prefill"]
 

@@ -32,8 +32,8 @@ from transformers import AutoTokenizer
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.assets import default_drafter_path, default_model_path
-from dsaserve.engine.forward_batch import current_batch
 from dsaserve.engine.io import GenerateRequest
+from dsaserve.layers.forward_batch import current_batch
 
 QUESTIONS = [
     "What is 15% of 240?",

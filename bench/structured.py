@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.engine.sampler import Sampler
 from dsaserve.grammar.state import GrammarState
-from dsaserve.layers.sampler import Sampler
 
 RECORD = {"type": "object", "required": ["name", "age", "tags"], "properties": {
     "name": {"type": "string", "maxLength": 16},

@@ -2,6 +2,8 @@
 
 `ServerArgs.from_cli(argv)` parses and checks a command line; `add_server_args(parser)` is the one
 place every flag is declared, so `dsaserve serve`, the offline `LLM` and the deploy planner agree.
+Building a `ServerArgs` checks each value and the combinations of flags alone; what needs the
+device or the checkpoint is checked once at start (runtime/preflight.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from dsaserve.kernels.registry import (
     DSA_BACKENDS,
     FP8_GEMM_BACKENDS,
     MOE_BACKENDS,
-    BackendError,
-    choose_kernels,
 )
 
 BACKEND_FLAGS = {"attention_backend": ATTENTION_BACKENDS, "dsa_prefill_backend": DSA_BACKENDS,
@@ -66,6 +66,7 @@ class ServerArgs:
     max_request_bytes: int = 32 * 1024 * 1024
     max_n: int = 64
     max_sequences_per_request: int = 256
+    responses_store_size: int = 1024
     header_timeout: float = 10.0
     # memory and scheduling
     mem_fraction_static: float | None = None
@@ -176,6 +177,8 @@ def _check(args: ServerArgs) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.responses_store_size < 0:
+        raise ArgsError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     if not args.header_timeout > 0:
         raise ArgsError(f"--header-timeout must be > 0, got {args.header_timeout}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
@@ -214,6 +217,9 @@ def _check(args: ServerArgs) -> None:
             raise ArgsError("--hicache-storage-backend-extra-config must be a JSON object") from e
     if args.hicache_storage_backend and not args.enable_hierarchical_cache:
         raise ArgsError("--hicache-storage-backend needs --enable-hierarchical-cache")
+    if args.enable_hierarchical_cache and args.disable_radix_cache:
+        raise ArgsError("--enable-hierarchical-cache needs the radix cache: drop "
+                        "--disable-radix-cache")  # fmt: skip
     if args.hicache_ratio <= 0 or args.hicache_size < 0:
         raise ArgsError(
             "--hicache-ratio must be > 0 and --hicache-size >= 0 (GB; 0: use the ratio)"
@@ -256,25 +262,6 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
             f"--speculative-num-draft-tokens {steps + 1}"
         )
     return steps, topk, drafts
-
-
-def refuse_unrunnable(args: ServerArgs, device_type: str) -> None:
-    """Refuse, at start, flags this build parses (for SGLang compatibility) but cannot run."""
-    from dsaserve.distributed.context_parallel import check_context_parallel
-
-    check_context_parallel(args)
-    if args.disaggregation_mode != "null" and args.disaggregation_transfer_backend not in (
-        "nixl",
-        "mooncake",
-    ):
-        raise ArgsError(
-            f"--disaggregation-transfer-backend {args.disaggregation_transfer_backend} is not "
-            "available; use nixl or mooncake"
-        )
-    try:
-        choose_kernels(args, device_type)
-    except BackendError as e:
-        raise ArgsError(str(e)) from None
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) -> None:
@@ -329,6 +316,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--max-request-bytes", type=int)
     f("--max-n", type=int, help="most choices (n) one request may ask for")
     f("--max-sequences-per-request", type=int, help="most prompts x n of one request")
+    f("--responses-store-size", type=int, help="most /v1/responses kept for store: true (LRU; "
+      "0: none)")  # fmt: skip
     f("--header-timeout", type=float, help="seconds a client has to send its request headers")
     f("--mem-fraction-static", type=float)
     f("--max-total-tokens", type=int)

@@ -11,7 +11,7 @@ from dsaserve import __version__
 # subcommand -> (module with `main(argv) -> int`, one-line help)
 SUBCOMMANDS = {
     "serve": ("dsaserve.server.launch", "start the OpenAI/Anthropic-compatible server"),
-    "plan": ("dsaserve.deploy.cli", "turn hardware x precision x recipe into a launch command"),
+    "plan": ("dsaserve.plan_cli", "turn hardware x precision x recipe into a launch command"),
     "bench": ("dsaserve.bench.serving", "benchmark an OpenAI-compatible server"),
 }
 

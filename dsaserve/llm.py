@@ -12,8 +12,12 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from dsaserve.args import ServerArgs
+from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.engine.engine import Engine
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
+from dsaserve.engine.startup import pick_device
+from dsaserve.runtime.preflight import preflight
+from dsaserve.runtime.ranks import LocalRanks, start_ranks
 from dsaserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -53,16 +57,32 @@ class Output:
 
 
 class LLM:
+    """The engine in this process; with `tp_size` > 1 this process is rank 0 and starts the
+    node's other ranks (stopped by `close`, also on `with` exit)."""
+
     def __init__(self, model_path: str | None = None, **engine_args) -> None:
         if model_path is not None:
             engine_args["model_path"] = str(model_path)
-        self.engine = Engine(ServerArgs(**engine_args))
+        args = ServerArgs(**engine_args)
+        preflight(args, offline=True)
+        self.ranks: LocalRanks | None = None
+        if ParallelSizes.from_args(args).tp > 1:
+            self.ranks = start_ranks(args, pick_device(args.device).type)
+        try:
+            self.engine = Engine(args, self.ranks.parallel if self.ranks else None)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     def close(self) -> None:
-        """Stop the ranks a `tp_size` > 1 engine started (also at exit and on `with` exit)."""
+        """Stop the ranks this process started: a STOP round, then wait for them to exit."""
         self.engine.close()
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     def __enter__(self) -> LLM:
         return self

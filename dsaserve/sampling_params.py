@@ -16,6 +16,7 @@ GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "tool_call_grammar")  # text, 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs",
              "grammar_after_token_id", *GRAMMAR_FIELDS)  # fmt: skip
 _INT_LISTS = ("stop_token_ids",)
+_STR_LISTS = ("stop", "grammar_think_exits")
 
 
 @dataclass
@@ -30,7 +31,10 @@ class SamplingParams:
     `ebnf`, or `tool_call_grammar` (JSON text: the tools and tool_choice the server turns into a
     grammar of the model's own tool-call format, see `dsaserve.grammar.tool_calls`). The grammar
     constrains the output from the first token, or, when `grammar_after_token_id` is set (the
-    server sets `</think>` when the prompt opens reasoning), from the token after that one.
+    server sets `</think>` when the prompt opens reasoning), from the token after that one;
+    until then the end tokens are masked, and so is every other way the reasoning parser would
+    see thinking end (`grammar_think_exits`: its exit tags, as tokens or spelled in pieces; see
+    `dsaserve.grammar.thinking`), so thinking ends at that token for the parser and the grammar.
     """
 
     max_tokens: int | None = 16
@@ -55,6 +59,7 @@ class SamplingParams:
     ebnf: str | None = None
     tool_call_grammar: str | None = None
     grammar_after_token_id: int | None = None
+    grammar_think_exits: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,7 +90,7 @@ class SamplingParams:
             raise ValueError(f"{grammars[1]} cannot be combined with {grammars[0]}: give one")
 
     def _check_types(self) -> None:
-        for name in (*_INTS, *_FLOATS, *_BOOLS, "stop", *_INT_LISTS, *GRAMMAR_FIELDS):
+        for name in (*_INTS, *_FLOATS, *_BOOLS, *_STR_LISTS, *_INT_LISTS, *GRAMMAR_FIELDS):
             value = getattr(self, name)
             if value is None and name in _OPTIONAL:
                 continue
@@ -127,7 +132,7 @@ def _type_ok(name: str, value: Any) -> bool:
         return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
     if name in _BOOLS:
         return isinstance(value, bool)
-    if name == "stop":
+    if name in _STR_LISTS:
         return isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     if name in GRAMMAR_FIELDS:
         return isinstance(value, str)

@@ -20,52 +20,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from default_model_json import json_turn
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "description": "The city name, e.g. Paris"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city"],
-        },
-    },
-}
-TIME_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current local time in a timezone.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "timezone": {"type": "string", "description": "IANA timezone, e.g. Europe/Paris"}
-            },
-            "required": ["timezone"],
-        },
-    },
-}
-SEARCH_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "description": "Search the web.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string", "description": "What to search for"},
-                "max_results": {"type": "integer", "description": "How many results"},
-            },
-            "required": ["query"],
-        },
-    },
-}
-ALL_TOOLS = [WEATHER_TOOL, TIME_TOOL, SEARCH_TOOL]
+from default_model_tools import ALL_TOOLS, SEARCH_TOOL, TIME_TOOL, WEATHER_TOOL
 
 CITY_TZ = {
     "Paris": "Europe/Paris", "London": "Europe/London", "Berlin": "Europe/Berlin",

@@ -18,7 +18,8 @@ accepted), plus the selector's cross-entropy over its top-k candidates with the 
 as predecessor (teacher forcing). Every `--eval-every` steps it reports, on held-out
 conversations, the mean greedy accept length over every anchor (tokens a verify step would
 emit: accepted drafts + 1). Output: config.json (the reference's DFlash2 format) and
-model.safetensors (matrices in bf16) in --out.
+model.safetensors (matrices in bf16) in --out (only what the server loads); the training log
+in --log (docs/default_dflash/, beside the drafter's card, not in the package).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from dsaserve.models.dflash import DFlashDraftModel  # noqa: E402
 from dsaserve.models.dflash_config import DFlashConfig  # noqa: E402
 
 MASK_TOKEN = "[MASK]"
+LOG_FILE = Path(__file__).resolve().parents[1] / "docs" / "default_dflash" / "train_log.jsonl"
 
 
 def drafter_config(args, target: dict, mask_id: int) -> dict:
@@ -209,6 +211,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     a = ap.add_argument
     a("--out", type=Path, required=True)
+    a("--log", type=Path, default=LOG_FILE, help="the training log (jsonl)")
     a("--target", type=Path, default=MODEL_DIR)
     a("--seed", type=int, default=0)
     a("--threads", type=int, default=1, help="1 is fastest on a shared machine")
@@ -242,7 +245,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    log_file = (args.out / "train_log.jsonl").open("w")
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    log_file = args.log.open("w")
 
     def log(record: dict) -> None:
         print(json.dumps(record), flush=True)

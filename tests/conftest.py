@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import skip_policy
 import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
 from server_harness import Server, make_server_checkpoint, running_server, write_scripts
 
@@ -31,8 +32,21 @@ SCRIPTS = {
     "typed": {"text": "</think><tool_call>lookup<arg_key>order_id</arg_key><arg_value>12345"
               "</arg_value><arg_key>count</arg_key><arg_value>7</arg_value><arg_key>express"
               "</arg_key><arg_value>true</arg_value></tool_call>", "chunk": 1},
+    "long": {"text": "</think>" + " ".join(f"w{i}" for i in range(3000)), "chunk": 2,
+             "delay": 0.005},  # runs for a minute unless the client goes away
 }  # fmt: skip
 MAX_REQUEST_BYTES = 200_000
+
+
+# ---- what may skip: hardware only, and one line listing every skip (tests/skip_policy.py) ----
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    skip_policy.add_options(parser)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(skip_policy.SkipPolicy(config), "dsaserve-skip-policy")
 
 
 @pytest.fixture(scope="session")

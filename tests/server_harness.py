@@ -27,6 +27,9 @@ from dsaserve.assets import default_model_path
 FIXTURES = Path(__file__).parent / "fixtures"
 READY = re.compile(r"dsaserve ready: (http://\S+)")
 START_TIMEOUT_S = 240
+BUILD_TIMEOUT_S = 600  # more, while the start says it is building (kernels/native_build.py)
+BUILD_START = re.compile(r"building the native decode layers|waiting for another build")
+BUILD_END = re.compile(r"built the native decode layers|native CPU decode unavailable")
 CONTEXT_LENGTH = 1024
 
 
@@ -74,16 +77,23 @@ def write_scripts(folder: Path, scripts: dict) -> Path:
 
 @contextlib.contextmanager
 def running_server(
-    model: Path | None, *flags: str, env: dict | None = None, scripts: Path | None = None
+    model: Path | None,
+    *flags: str,
+    env: dict | None = None,
+    scripts: Path | None = None,
+    real_engine: bool = True,
 ) -> Iterator[Server]:
-    """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit."""
+    """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit.
+    With `scripts` (or `real_engine=False`) its engine process drives tests/scripted_engine.py's
+    double: the scripts in front of the real engine, or alone."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    if scripts is not None:
-        full_env["DSASERVE_TEST_SCRIPTS"] = str(scripts)
     model_flags = [] if model is None else ["--model-path", str(model)]  # None: embedded model
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", *model_flags,
-               "--port", "0", "--max-total-tokens", "4096", "--page-size", "16",
-               *flags]  # fmt: skip
+    serve = [sys.executable, "-m", "dsaserve.cli", "serve"]
+    if scripts is not None or not real_engine:
+        double = [str(scripts or "-"), "real" if real_engine else "alone"]
+        serve = [sys.executable, str(Path(__file__).with_name("scripted_serve.py")), *double]
+    command = [*serve, *model_flags, "--port", "0", "--max-total-tokens", "4096",
+               "--page-size", "16", *flags]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
         start_new_session=True,
@@ -97,12 +107,20 @@ def running_server(
 
 
 def _wait_ready(server: Server) -> str:
+    """The server's URL once it says it is ready: within START_TIMEOUT_S, plus the time it says
+    it spent building the native decode layers (or waiting on another build) on a busy machine
+    (up to BUILD_TIMEOUT_S more)."""
     found: list[str] = []
     ready = threading.Event()
+    build: dict[str, float] = {}
 
     def pump() -> None:
         for line in server.process.stdout:
             server.log.append(line)
+            if BUILD_START.search(line):
+                build.setdefault("start", time.monotonic())
+            if BUILD_END.search(line):
+                build.setdefault("end", time.monotonic())
             match = READY.search(line)
             if match and not found:
                 found.append(match.group(1))
@@ -110,7 +128,11 @@ def _wait_ready(server: Server) -> str:
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
-    ready.wait(START_TIMEOUT_S)
+    start = time.monotonic()
+    while not ready.wait(1.0):
+        building = build.get("end", time.monotonic()) - build.get("start", time.monotonic())
+        if time.monotonic() - start > START_TIMEOUT_S + min(building, BUILD_TIMEOUT_S):
+            break
     if not found:
         raise RuntimeError(f"server did not start:\n{server.output()}")
     return found[0]

@@ -1,14 +1,12 @@
 """`--enable-torch-compile`: the compiled decode step against the eager one (fp32, 1e-5).
 
 Compiling with inductor on a CPU takes minutes (C++ codegen), far over this suite's budget on a
-2-core machine, so the test runs only with DSASERVE_TEST_COMPILE=1:
+2-core machine, so it is a nightly test (tests/skip_policy.py), run with `--nightly`:
 
-    DSASERVE_TEST_COMPILE=1 python -m pytest -q tests/test_compiled_decode.py
+    python -m pytest -q --nightly tests/test_compiled_decode.py
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -16,12 +14,7 @@ from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not os.environ.get("DSASERVE_TEST_COMPILE"), reason="compiles for minutes on a CPU"
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.nightly]  # compiles for minutes on a CPU
 
 
 @pytest.mark.timeout(1800)

@@ -119,7 +119,7 @@ def test_cli_version_and_help():
     ],
 )
 def test_unrunnable_flags_refused_at_start(flags, message):
-    from dsaserve.args import refuse_unrunnable
+    from dsaserve.runtime.preflight import refuse_unrunnable
 
     with pytest.raises(ArgsError, match=message):
         refuse_unrunnable(ServerArgs.from_cli(flags), "cpu")

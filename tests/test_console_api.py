@@ -21,11 +21,11 @@ from fastapi.testclient import TestClient
 from server_harness import stop_group
 
 from dsaserve.args import ServerArgs
-from dsaserve.deploy.cli import main as plan_main
 from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import RECIPES, PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import RULES, plan
+from dsaserve.plan_cli import main as plan_main
 from dsaserve.server.app import build_app
 from dsaserve.server.state import ServerState
 

@@ -1,13 +1,14 @@
 """The web console in headless Chromium: Debian's `chromium`, driven by Playwright through
 `executable_path` (no browser download), one launch for the module.
 
-The Deploy panel runs against `dsaserve plan --web`; the Playground against `dsaserve serve` with
-the scripted engine, whose `[[script:KEY]]` prompts stream reasoning and tool calls
-deterministically. Every page fails its test on a page error, a console error, or a request to
-anything but the loopback. Without Chromium or Playwright the module skips, except in CI
-(`CI=true`), where it fails. Screenshots of both panels go to docs/images/ in CI or with
-`DSASERVE_UPDATE_SCREENSHOTS=1` (elsewhere to a temporary folder, so test runs leave the
-checkout clean).
+The Playground runs against `dsaserve serve` with the scripted engine, whose `[[script:KEY]]`
+prompts stream reasoning and tool calls deterministically (the Deploy panel, against `dsaserve plan
+--web`, is test_console_deploy.py's, with this module's browser and page). Every page fails its
+test on a page error, a console error, or a request to anything but the loopback. The browser is
+found by tests/chromium.py (Debian's, or Playwright's own); without one the module skips, which
+fails CI (tests/skip_policy.py). Screenshots of
+both panels go to docs/images/ in CI or with `DSASERVE_UPDATE_SCREENSHOTS=1` (elsewhere to a
+temporary folder, so test runs leave the checkout clean).
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from chromium import find_chromium
 from server_harness import Server, running_server, write_scripts
-from test_console_api import running_plan_web
 
 IN_CI = os.environ.get("CI") == "true"
-CHROMIUM = os.environ.get("DSASERVE_CHROMIUM") or shutil.which("chromium")
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
 WAIT_MS = 30_000
@@ -46,23 +46,19 @@ SCRIPTS = {
 }  # fmt: skip
 
 
-def unavailable(reason: str) -> None:
-    if IN_CI:
-        pytest.fail(f"CI needs the browser tests: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
-    if CHROMIUM is None:
-        unavailable("no chromium on PATH (apt-get install chromium)")
     try:
         from playwright.sync_api import expect, sync_playwright
     except ImportError:
-        unavailable("playwright is not installed (pip install playwright)")
+        pytest.skip("playwright is not installed (scripts/install.sh)")
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip("no Chromium: scripts/install.sh installs Debian's (or: playwright install "
+                    "chromium)")  # fmt: skip
     expect.set_options(timeout=WAIT_MS)
     with sync_playwright() as driver:
-        chromium = driver.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        chromium = driver.chromium.launch(executable_path=executable, args=["--no-sandbox"])
         try:
             yield chromium
         finally:
@@ -78,17 +74,11 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def planner() -> Iterator[str]:
-    with running_plan_web() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     scripts = write_scripts(tmp_path_factory.mktemp("console_scripts"), SCRIPTS)
-    env = {"DSASERVE_TEST_ENGINE": "scripted"}  # the embedded model's tokenizer, no weights run
     flags = ["--enable-metrics", "--enable-cache-report", "--served-model-name", "glm-console"]
-    with running_server(None, *flags, env=env, scripts=scripts) as server:
+    # the embedded model's tokenizer, no weights run
+    with running_server(None, *flags, scripts=scripts, real_engine=False) as server:
         yield server
 
 
@@ -143,104 +133,6 @@ def open_console(page, base: str, fragment: str = "") -> None:
 def screenshot(page, path: Path) -> None:
     page.screenshot(path=str(path), full_page=True)
     assert 20_000 < path.stat().st_size < 400_000, path.stat().st_size  # a page, and small
-
-
-# ---------------------------------------------------------------- the Deploy panel
-
-
-def test_deploy_balanced_h200_shows_the_command_and_the_fit(page, planner, shots):
-    from playwright.sync_api import expect
-
-    open_console(page, planner)
-    page.select_option("#f-base", "GLM-5.3")
-    page.select_option("#f-precision", "fp8")
-    page.select_option("#f-hardware", "H200")
-    page.click("#f-recipe label:has-text('Balanced')")
-    expect(page.locator("#plan-headline")).to_contain_text("on 1 × 8 × H200, balanced")
-    command = page.locator(".command[data-role=serve] pre")
-    expect(command).to_contain_text("--tp 8 --dp 8 --ep 8 --enable-dp-attention")
-    expected = httpx.post(planner + "/api/plan", json={"recipe": "balanced"}).json()
-    assert command.inner_text() == expected["commands"][0]["dsaserve"]
-    memory = expected["memory"]
-    fit = page.locator("#plan-memory")
-    expect(fit).to_contain_text("weights per GPU")
-    expect(fit.locator("tr:has-text('concurrency') td")).to_have_text(
-        f"{memory['concurrency']} requests of {memory['tokens_per_request']:,} tokens"
-    )
-    expect(fit.locator("tr:has-text('KV per token') td")).to_contain_text("100,152 B (bf16)")
-    rule = page.locator("#plan-rules li:has-text('recipe-balanced')")
-    expect(rule).to_contain_text("DP attention + expert parallel (DeepEP)")  # its statement
-    screenshot(page, shots / "console-deploy.png")
-    page.click(".command[data-role=serve] button.copy")
-    clipboard = page.evaluate("navigator.clipboard.readText()")
-    assert clipboard == expected["commands"][0]["dsaserve"]
-    page.click("label:has-text('SGLang')")
-    expect(command).to_have_text(expected["commands"][0]["sglang"])
-
-
-def test_bf16_on_one_h200_node_is_refused_and_the_nearest_layout_is_one_click(page, planner):
-    from playwright.sync_api import expect
-
-    open_console(page, planner, "#deploy?model=GLM-5.3&hardware=H200&recipe=low-latency")
-    page.select_option("#f-nodes", "1")
-    page.select_option("#f-precision", "bf16")
-    refusal = page.locator("#plan-refusal")
-    expect(refusal).to_be_visible()
-    expect(refusal.locator(".rule-name")).to_have_text("weights-fit")
-    expect(refusal).to_contain_text("BF16 weights need")
-    expect(refusal).to_contain_text("--nodes 2")
-    expect(page.locator(".command")).to_have_count(0)
-    # the matrix greys the refused choice out and says why
-    option = page.locator("#f-precision option[value=bf16]")
-    expect(option).to_have_class(re.compile("refused"))
-    assert "weights-fit" in option.get_attribute("title")
-    page.click("#use-nearest")
-    expect(page.locator("#plan-headline")).to_contain_text("GLM-5.3-BF16 (BF16) on 2 × 8 × H200")
-    expect(refusal).to_be_hidden()
-    assert page.input_value("#f-nodes") == "2"
-    commands = page.locator(".command[data-role=serve] pre")
-    expect(commands).to_have_count(2)
-    for rank in (0, 1):
-        text = commands.nth(rank).inner_text()
-        assert "--tp 16" in text and f"--nnodes 2 --node-rank {rank}" in text
-
-
-def test_a_shared_url_restores_the_layout(page, planner, browser):
-    from playwright.sync_api import expect
-
-    open_console(page, planner)
-    page.select_option("#f-hardware", "B200")
-    page.click("#f-recipe label:has-text('High-Throughput')")
-    page.select_option("select[name=pd]", "decode")
-    page.select_option("select[name=pd_transfer_backend]", "nixl")
-    page.check("input[name=hicache]")
-    page.select_option("select[name=hicache_write_policy]", "write_back")
-    page.fill("input[name=input_len]", "4096")
-    command = page.locator(".command[data-role=decode] pre")
-    expect(command).to_contain_text("--hicache-write-policy write_back")
-    expect(command).to_contain_text("--disaggregation-transfer-backend nixl")
-    shared, text = page.url, command.inner_text()
-    assert "hardware=B200" in shared and "hicache=true" in shared
-    other = browser.new_context().new_page()
-    try:
-        open_console(other, shared.split("/console/")[0], "#" + shared.split("#", 1)[1])
-        expect(other.locator(".command[data-role=decode] pre")).to_have_text(text)
-        assert other.input_value("#f-hardware") == "B200"
-        assert other.input_value("select[name=hicache_write_policy]") == "write_back"
-        assert other.input_value("input[name=input_len]") == "4096"
-        assert other.is_checked("#f-recipe input[value=high-throughput]")
-        expect(other.locator(".command[data-role=router]")).to_have_count(1)
-    finally:
-        other.context.close()
-
-
-def test_planner_only_console_has_no_chat(page, planner):
-    from playwright.sync_api import expect
-
-    open_console(page, planner, "#playground")
-    expect(page.locator("#no-chat")).to_be_visible()
-    expect(page.locator("#send")).to_be_disabled()
-    expect(page.locator("#status-strip")).to_contain_text("planner only")
 
 
 # ---------------------------------------------------------------- the Playground

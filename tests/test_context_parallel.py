@@ -18,10 +18,11 @@ from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
+from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.deploy.memory import kv_bytes_per_token, layer_split_kv_bytes_per_token
 from dsaserve.deploy.models import load_model
-from dsaserve.distributed.rounds import DistributedModel
+from dsaserve.engine.rounds import DistributedModel
+from dsaserve.runtime.preflight import refuse_unrunnable
 
 TOPK = 8
 PROMPTS = [[(7 * i + 3) % 300 + 1 for i in range(n)] for n in (20 * TOPK, 5, 40, 3 * TOPK + 1)]

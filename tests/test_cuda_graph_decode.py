@@ -26,9 +26,9 @@ from dsaserve.engine.cuda_graph import (
     context_buckets,
     row_buckets,
 )
-from dsaserve.engine.forward_batch import ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import DEFAULT_KERNELS
+from dsaserve.layers.forward_batch import ForwardBatch, forward_context
 from dsaserve.layers.fused import FusedDecode
 from dsaserve.layers.static_decode import StaticDecode
 from dsaserve.model_config import ModelConfig

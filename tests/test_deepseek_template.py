@@ -186,7 +186,9 @@ NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "o
 def grammar_fields(tm: TokenizerManager, choice, prompt: str, tools: list[dict]) -> dict:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
                                 tool_choice=choice)  # fmt: skip
-    return tm.structured.chat_fields(req, tools, choice, tm.tool_parser, prompt)
+    return tm.structured.chat_fields(
+        req, tools, choice, tm.tool_parser, prompt, tm.reasoning_parser
+    )
 
 
 def accepts(tm: TokenizerManager, fields: dict, text: str) -> bool:

@@ -25,7 +25,7 @@ from tiny_models import load_reference, make_checkpoint
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.dflash_accept import Acceptor
-from dsaserve.layers.sampler import filtered_probs
+from dsaserve.engine.sampler import filtered_probs
 
 VOCAB = 16
 PROMPT = [3, 7, 1, 12, 5, 9]

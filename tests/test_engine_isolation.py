@@ -16,9 +16,9 @@ from dsaserve import SamplingParams
 from dsaserve.args import ServerArgs
 from dsaserve.engine.engine import Engine
 from dsaserve.engine.io import GenerateRequest
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
+from dsaserve.runtime.engine_process import EngineLoop
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.engine_process import EngineLoop
 from dsaserve.server.errors import APIError
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)

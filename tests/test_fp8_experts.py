@@ -1,4 +1,4 @@
-"""Routed experts kept block-FP8 at load (kernels/fp8_experts.py) and run by the Triton `moe` op.
+"""Routed experts kept block-FP8 at load (layers/fp8_experts.py) and run by the Triton `moe` op.
 
 On CPU the op runs under the interpreter (`--moe-runner-backend triton`); the torch backend
 still dequantises. The twin of every check is the same FP8 checkpoint served dequantised.
@@ -16,11 +16,12 @@ from triton_env import needs_triton
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine import cuda_graph
 from dsaserve.kernels import triton_moe
-from dsaserve.kernels.fp8_experts import Fp8Experts, keep_fp8_experts
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, dequantize_block_fp8
+from dsaserve.layers.fp8_experts import Fp8Experts, keep_fp8_experts
 from dsaserve.layers.moe import Experts, MoE
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
-from dsaserve.models.fp8 import FP8_DTYPE, dequantize_block_fp8, quantize_checkpoint
+from dsaserve.models.fp8 import quantize_checkpoint
 from dsaserve.models.loader import CheckpointError, load_checkpoint
 
 pytestmark = needs_triton

@@ -1,4 +1,4 @@
-"""Block-FP8 weights kept FP8 on every rank under tensor parallelism (kernels/fp8_keep.py).
+"""Block-FP8 weights kept FP8 on every rank under tensor parallelism (models/fp8_keep.py).
 
 A tiny random GLM checkpoint quantised to 128x128 blocks, dims chosen so that every tp 2 slice
 falls on block boundaries (dense / shared / expert intermediate 256; q_b_proj and o_proj 4 heads
@@ -23,13 +23,14 @@ from triton_env import needs_triton
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.engine.startup import load_model
-from dsaserve.kernels.fp8_experts import Fp8Experts
-from dsaserve.kernels.fp8_keep import checksum, keep_fp8_weights
-from dsaserve.kernels.fp8_linear import Fp8Linear
+from dsaserve.engine.shard import load_model
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8
 from dsaserve.kernels.registry import choose_kernels
+from dsaserve.layers.fp8_experts import Fp8Experts
+from dsaserve.layers.fp8_linear import Fp8Linear
 from dsaserve.model_config import ModelConfig
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_checkpoint
+from dsaserve.models.fp8 import quantize_checkpoint
+from dsaserve.models.fp8_keep import checksum, keep_fp8_weights
 
 pytestmark = needs_triton
 

@@ -17,11 +17,11 @@ from transformers import AutoTokenizer
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.assets import default_model_path
+from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.grammar.backend import GrammarBackend, make_backend
 from dsaserve.grammar.bitmask import unpack
 from dsaserve.grammar.compiler import GrammarCompiler
 from dsaserve.grammar.state import GrammarState
-from dsaserve.layers.sampler import Sampler, SamplingState
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 8},

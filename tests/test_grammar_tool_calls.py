@@ -1,15 +1,19 @@
-"""Tool-call grammars on both backends: llguidance (the structural tag written as Lark) accepts
-exactly the strings xgrammar accepts, for GLM-4.7/5 and DeepSeek-V3.2 DSML tool calls, under
-`tool_choice` "required", a named tool and "auto" with a strict tool, parallel calls or not.
+"""Tool-call grammars on both backends (xgrammar's structural tag, llguidance's Lark) accept
+exactly the answers the request's rules allow, for GLM-4.7/5 and DeepSeek-V3.2 DSML tool calls,
+under `tool_choice` "required", a named tool and "auto" with a strict tool, parallel calls or
+not.
 
 Each case is a whole answer (then the stop token): right calls, wrong argument values, unknown
-keys, missing required arguments, text around calls. A disagreement either way would let one
-backend write calls the other forbids."""
+keys, missing required arguments, text before calls, each labelled by hand with whether its
+arguments satisfy the tool's schema as the grammar writes it; `expected` turns the labels and
+the choice into a verdict without looking at the grammar, so a bug in the grammar's source
+(shared by both backends) fails here, not only a disagreement between them."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from transformers import AutoTokenizer
@@ -34,43 +38,80 @@ LOOKUP = {"type": "function", "function": {"name": "lookup", "strict": True, "pa
 CHOICES = ["required", {"type": "function", "function": {"name": "lookup"}}, "auto"]
 
 
-def glm(name: str, **args: str) -> str:
+class Case(NamedTuple):
+    """An answer, with what a reader of the schemas says of it: each call's tool and whether its
+    arguments are exactly what that tool's grammar writes when it is enforced (`ok`)."""
+
+    text: str
+    calls: tuple[tuple[str, bool], ...] = ()
+    prose: bool = False  # free text before the calls
+
+
+def glm(name: str, ok: bool, **args: str) -> Case:
     pairs = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in args.items())
-    return f"<tool_call>{name}{pairs}</tool_call>"
+    return Case(f"<tool_call>{name}{pairs}</tool_call>", ((name, ok),))
 
 
-def dsml(*calls: str) -> str:
-    return "\n\n<｜DSML｜function_calls>\n" + "".join(calls) + "</｜DSML｜function_calls>"
+def then(*cases: Case, prose: str = "") -> Case:
+    text = prose + "".join(c.text for c in cases)
+    return Case(text, tuple(call for c in cases for call in c.calls), bool(prose))
 
 
-def invoke(name: str, **args: tuple[str, str]) -> str:
+def dsml(*calls: Case, prose: str = "") -> Case:
+    body = "".join(c.text for c in calls)
+    text = (prose or "\n\n") + "<｜DSML｜function_calls>\n" + body + "</｜DSML｜function_calls>"
+    return Case(text, tuple(call for c in calls for call in c.calls), bool(prose))
+
+
+def invoke(name: str, ok: bool, **args: tuple[str, str]) -> Case:
     params = "".join(f'<｜DSML｜parameter name="{k}" string="{s}">{v}</｜DSML｜parameter>\n'
                      for k, (s, v) in args.items())  # fmt: skip
-    return f'<｜DSML｜invoke name="{name}">\n{params}</｜DSML｜invoke>\n'
+    return Case(f'<｜DSML｜invoke name="{name}">\n{params}</｜DSML｜invoke>\n', ((name, ok),))
+
+
+def expected(case: Case, choice, parallel: bool) -> bool:
+    """The verdict the request's rules give, independently of how the grammar is built:
+    "required": calls only, at least one; a named tool: exactly that call; "auto": free text,
+    then calls; one call at most without `parallel`. Arguments must be `ok` where the tool is
+    enforced: every tool when the choice forces a call, under "auto" the strict one (lookup)
+    only, the others take any key/value pairs."""
+    if not parallel and len(case.calls) > 1:
+        return False
+    if choice == "auto":
+        return all(ok or name != "lookup" for name, ok in case.calls)
+    if case.prose or not case.calls or not all(ok for _, ok in case.calls):
+        return False
+    return choice == "required" or (len(case.calls) == 1 and case.calls[0][0] == "lookup")
 
 
 LOOK = {"order_id": "12345", "items": "[1, 2]"}
 GLM_CASES = [
-    glm("get_weather", city="Paris"), glm("get_weather", city="Paris", days="3"),
-    glm("get_weather", city="Paris", days="9"), glm("get_weather", city="Paris", unit='"celsius"'),
-    glm("get_weather", city="A very long city"), glm("get_weather", days="2"),
-    glm("lookup", **LOOK), glm("lookup", order_id="1234", items="[1]"),
-    glm("lookup", order_id="12345", items="[1,  2]"), glm("lookup", order_id="12345"),
-    glm("lookup", **LOOK) + glm("get_weather", city="Rome"),
-    "Let me check." + glm("get_weather", zzz="q"), "Let me check." + glm("lookup", **LOOK),
-    "Let me check." + glm("lookup", order_id="x", items="[]"), "just text", "",
+    glm("get_weather", True, city="Paris"), glm("get_weather", True, city="Paris", days="3"),
+    glm("get_weather", False, city="Paris", days="9"),  # days > maximum
+    glm("get_weather", False, city="Paris", unit='"celsius"'),  # a raw string, not JSON
+    glm("get_weather", False, city="A very long city"),  # over maxLength
+    glm("get_weather", False, days="2"),  # city is required
+    glm("lookup", True, **LOOK), glm("lookup", False, order_id="1234", items="[1]"),
+    glm("lookup", False, order_id="12345", items="[1,  2]"),  # two spaces: not compact
+    glm("lookup", False, order_id="12345"),  # items is required
+    then(glm("lookup", True, **LOOK), glm("get_weather", True, city="Rome")),
+    then(glm("get_weather", False, zzz="q"), prose="Let me check."),  # an unknown key
+    then(glm("lookup", True, **LOOK), prose="Let me check."),
+    then(glm("lookup", False, order_id="x", items="[]"), prose="Let me check."),
+    Case("just text", prose=True), Case(""),
 ]  # fmt: skip
 DSML_LOOK = {"order_id": ("true", "12345"), "items": ("false", "[3]")}
 DSML_CASES = [
-    dsml(invoke("get_weather", city=("true", "Paris"))),
-    dsml(invoke("get_weather", city=("true", "Paris"), days=("false", "8"))),
-    dsml(invoke("get_weather", city=("false", '"Paris"'))),
-    dsml(invoke("lookup", **DSML_LOOK)), dsml(invoke("lookup", order_id=("true", "12345"))),
-    dsml(invoke("lookup", **DSML_LOOK), invoke("get_weather", city=("true", "Oslo"))),
-    "Sure." + dsml(invoke("get_weather", other=("true", "x"))).lstrip(),
-    "Sure." + dsml(invoke("lookup", **DSML_LOOK)).lstrip(),
-    "Sure." + dsml(invoke("lookup", order_id=("true", "1"), items=("false", "[]"))).lstrip(),
-    "just text", "",
+    dsml(invoke("get_weather", True, city=("true", "Paris"))),
+    dsml(invoke("get_weather", False, city=("true", "Paris"), days=("false", "8"))),
+    dsml(invoke("get_weather", False, city=("false", '"Paris"'))),  # a string is string="true"
+    dsml(invoke("lookup", True, **DSML_LOOK)),
+    dsml(invoke("lookup", False, order_id=("true", "12345"))),  # items is required
+    dsml(invoke("lookup", True, **DSML_LOOK), invoke("get_weather", True, city=("true", "Oslo"))),
+    dsml(invoke("get_weather", False, other=("true", "x")), prose="Sure."),
+    dsml(invoke("lookup", True, **DSML_LOOK), prose="Sure."),
+    dsml(invoke("lookup", False, order_id=("true", "1"), items=("false", "[]")), prose="Sure."),
+    Case("just text", prose=True), Case(""),
 ]  # fmt: skip
 
 
@@ -87,16 +128,16 @@ def test_llguidance_accepts_what_xgrammar_accepts(parser, cases):
         stop = tokenizer.eos_token_id
     backends = [make_backend(name, tokenizer, len(tokenizer), [stop])
                 for name in ("xgrammar", "llguidance")]  # fmt: skip
-    accepted = 0
+    wrong = []
     for choice in CHOICES:
         for parallel in (True, False):
             source = tool_call_grammar(parser, [WEATHER, LOOKUP], choice, parallel)
-            for text in cases:
-                ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], stop]
-                verdicts = []
-                for backend in backends:
-                    matcher = backend.matcher(backend.compile("tool_call_grammar", source))
-                    verdicts.append(all(matcher.accept(i) for i in ids))
-                assert verdicts[0] == verdicts[1], (parser, choice, parallel, text, verdicts)
-                accepted += verdicts[0]
-    assert 0.25 < accepted / (len(CHOICES) * 2 * len(cases)) < 0.75  # the cases discriminate
+            matchers = [(b, b.compile("tool_call_grammar", source)) for b in backends]
+            for case in cases:
+                ids = [*tokenizer(case.text, add_special_tokens=False)["input_ids"], stop]
+                want = expected(case, choice, parallel)
+                for name, (backend, compiled) in zip(("xgrammar", "llguidance"), matchers):
+                    matcher = backend.matcher(compiled)
+                    if all(matcher.accept(i) for i in ids) != want:
+                        wrong.append((name, choice, parallel, case.text, want))
+    assert not wrong, "\n".join(map(repr, wrong))

@@ -10,6 +10,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import running_server
 
 from dsaserve.server.anthropic.protocol import MessagesRequest
@@ -33,6 +34,19 @@ def claude_code_request(cch: str, turns: list[dict]) -> dict:
         {"type": "text", "text": SYSTEM_TEXT, **cache},
     ]
     return {"model": "m", "max_tokens": 8, "system": system, "tools": TOOLS, "messages": turns}
+
+
+def samples(text: str) -> dict[tuple[str, str], float]:
+    """/metrics' HiCache gauges: (name, tier or direction) -> value (one model served)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name.startswith("sglang:hicache"):
+                key = sample.name, labels.get("tier") or labels.get("direction")
+                assert key not in out, f"{key} twice: {text}"
+                out[key] = sample.value
+    return out
 
 
 def hicache_flags(store: Path) -> list[str]:
@@ -77,13 +91,23 @@ def test_claude_code_prefix_restart_and_reporting(server_checkpoint: Path, tmp_p
         after_flush = httpx.post(server.url + "/generate", json=body, timeout=60).json()
         assert after_flush["output_ids"] == before["output_ids"]
         assert after_flush["meta_info"]["cached_tokens"] == 192  # from storage after the flush
-        metrics = httpx.get(server.url + "/metrics").text
-        assert 'sglang:hicache_hit_tokens{model_name="m",tier="storage"}' in metrics or (
-            'tier="storage"' in metrics
-        )
+        info = httpx.get(server.url + "/get_server_info").json()["internal_states"][0]
+        metrics = samples(httpx.get(server.url + "/metrics").text)
+        assert metrics["sglang:hicache_hit_tokens", "storage"] == 192  # the after-flush prefix
+        assert metrics["sglang:hicache_hit_tokens", "storage"] == info["hicache_storage_hit_tokens"]
         assert (
-            "sglang:hicache_transfer_bytes" in metrics and "sglang:hicache_load_seconds" in metrics
+            metrics["sglang:hicache_transfer_bytes", "storage_to_device"]
+            == (info["hicache_storage_load_bytes"])
+            > 0
         )
+        assert metrics["sglang:hicache_transfer_bytes", "device_to_host"] > 0
+        assert metrics["sglang:hicache_load_seconds", "storage"] > 0
+        text = httpx.get(server.url + "/metrics").text
+        cached = {s.labels["cache_source"]: s.value for family in
+                  text_string_to_metric_families(text) for s in family.samples
+                  if s.name == "sglang:cached_tokens_total"}  # fmt: skip
+        assert cached["storage_file"] >= 192  # SGLang's label: storage_<backend>
+        assert cached["device"] > 0 and "host" in cached
     with running_server(server_checkpoint, *hicache_flags(store)) as restarted:
         again = httpx.post(restarted.url + "/generate", json=body, timeout=60).json()
         assert again["output_ids"] == before["output_ids"]

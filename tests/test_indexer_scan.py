@@ -13,8 +13,8 @@ import pytest
 import torch
 from tie_break import stable_topk
 
-from dsaserve.layers.indexer_scan import block_scores, causal_topk, decode_scores
-from dsaserve.layers.topk import topk_earliest
+from dsaserve.kernels.indexer_scan import block_scores, causal_topk, decode_scores
+from dsaserve.kernels.topk import topk_earliest
 
 
 def _plain_scores(q, weights, keys, positions) -> torch.Tensor:

@@ -16,10 +16,10 @@ from torch import nn
 from triton_env import needs_triton
 
 from dsaserve.args import ServerArgs
-from dsaserve.engine.kv_quant import KV_STORE, quantize_entry
 from dsaserve.kernels import reference, registry
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.kernels.kv_quant import KV_STORE, quantize_entry
 from dsaserve.kernels.registry import BackendError, choose_kernels, resolve
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
 
 pytestmark = needs_triton
 ADAPTERS = ("dsaserve.kernels.deep_gemm_adapter", "dsaserve.kernels.flash_mla_adapter")

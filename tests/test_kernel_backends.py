@@ -12,8 +12,9 @@ from tiny_models import make_checkpoint
 from triton_env import gpu, needs_triton
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable
+from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.kernels.registry import IMPLEMENTATIONS, choose_kernels, load
+from dsaserve.runtime.preflight import refuse_unrunnable
 
 PROMPT = torch.randint(0, 380, (40,), generator=torch.Generator().manual_seed(5)).tolist()
 
@@ -70,7 +71,7 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
     """`--fp8-gemm-backend triton`: the quantised Linears hold the checkpoint's e4m3 bytes (no
     dequantised copy) and compute through the block-FP8 GEMM; the logits stay those of the
     dequantising torch path up to the activation's e4m3 rounding."""
-    from dsaserve.kernels.fp8_linear import Fp8Linear
+    from dsaserve.layers.fp8_linear import Fp8Linear
     from dsaserve.models.fp8 import quantize_checkpoint
 
     fp8 = tmp_path / "fp8"
@@ -95,8 +96,8 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
 
 
 def _exact_fp8_gemm(x, w8, scale_inv, bias=None):
+    from dsaserve.kernels.block_fp8 import dequantize_block_fp8
     from dsaserve.kernels.triton_fp8_gemm import act_quant
-    from dsaserve.models.fp8 import dequantize_block_fp8
 
     flat = x.reshape(-1, x.shape[-1])
     a8, a_scale = act_quant(flat)
@@ -118,3 +119,19 @@ def test_cuda_auto_picks_triton_and_decodes_like_the_reference(tmp_path) -> None
         assert llm.engine.kernels.names["sparse_mla"] == expected
         outs[backend] = llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids
     assert outs["auto"] == outs["torch"]
+
+
+def test_gpus_older_than_sm80_refuse_triton_in_one_line(monkeypatch) -> None:
+    """sm_75 (T4): `triton` is refused at start naming the GPU; `auto` takes the torch kernels.
+    sm_80 (A100, FP8 decoded in the kernels) and newer keep Triton."""
+    from dsaserve.kernels import gpu_target
+    from dsaserve.kernels.registry import BackendError, resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Tesla T4")
+    with gpu_target.as_target(7, 5):
+        assert resolve("sparse_mla", "auto", "cuda", "--dsa-decode-backend") == "torch"
+        with pytest.raises(BackendError, match=r"^--moe-runner-backend triton: Tesla T4 \(sm_75\)"):
+            resolve("moe", "triton", "cuda", "--moe-runner-backend")
+    with gpu_target.as_target(8, 0):
+        assert resolve("sparse_mla", "auto", "cuda", "--dsa-decode-backend") == "triton"

@@ -102,8 +102,8 @@ def check_slices(folder, tmp_path, block) -> None:
 
 def test_payload_round_trip():
     """What a leader broadcasts for an op is rebuilt exactly on the other ranks."""
-    from dsaserve.distributed.payload import Op, OpInputs, pack, unpack
-    from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch
+    from dsaserve.engine.round_payload import Op, OpInputs, pack, unpack
+    from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch
     from dsaserve.layers.indexer import Selection
 
     kv, index = torch.zeros(2, 64, 8), torch.zeros(1, 64, 4)

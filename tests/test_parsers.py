@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dsaserve.grammar.tool_schema import allowed_types, convert_value
 from dsaserve.server.parsers.chat_output import ChatOutputParser, collect
 from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
 from dsaserve.server.parsers.registry import (
@@ -15,7 +16,6 @@ from dsaserve.server.parsers.registry import (
     resolve_tool_parser,
 )
 from dsaserve.server.parsers.tool_glm47 import Glm45ToolParser, Glm47ToolParser
-from dsaserve.server.parsers.tool_schema import allowed_types, convert_value
 
 SCHEMA = {
     "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsaserve.args import ServerArgs
-from dsaserve.disaggregation import aux, bootstrap, kv_layout
+from dsaserve.disaggregation import aux, bootstrap, kv_regions
 from dsaserve.disaggregation.protocol import KVPoll, Status, TransferInfo, parse_to_prefill
 from dsaserve.disaggregation.request_fields import attach_bootstrap
 from dsaserve.engine.io import GenerateRequest, TokenLogprob
@@ -40,26 +40,26 @@ def test_segments_move_every_layer_indexer_and_mtp_entry() -> None:
     prefill.index_cache.normal_()
     src_pages, dst_pages, prompt_len = [5, 6, 2], [0, 1, 9], 10  # runs: (5,6)->(0,1), 2->9
     src_aux, dst_aux = aux.buffer(1), aux.buffer(4)
-    mine = kv_layout.describe(prefill, True, src_aux)
-    theirs = kv_layout.describe(decode, True, dst_aux)
-    assert kv_layout.mismatch(mine, theirs) is None
-    segments = kv_layout.kv_segments(mine, theirs, src_pages, dst_pages)
+    mine = kv_regions.describe(prefill, True, src_aux)
+    theirs = kv_regions.describe(decode, True, dst_aux)
+    assert kv_regions.mismatch(mine, theirs) is None
+    segments = kv_regions.kv_segments(mine, theirs, src_pages, dst_pages)
     assert len(segments) == (3 + 3) * 2  # per layer of both caches, two runs
     _copy(segments)
-    sent = kv_layout.checksums(prefill, src_pages, prompt_len)
-    assert kv_layout.checksums(decode, dst_pages, prompt_len) == sent
+    sent = kv_regions.checksums(prefill, src_pages, prompt_len)
+    assert kv_regions.checksums(decode, dst_pages, prompt_len) == sent
     assert len(sent["kv"]) == 3 and len(sent["index"]) == 3
     decode.kv_cache[2, dst_pages[0] * 4 + 1, 3] += 1.0  # one value in the MTP layer
-    got = kv_layout.checksums(decode, dst_pages, prompt_len)
+    got = kv_regions.checksums(decode, dst_pages, prompt_len)
     assert [a == b for a, b in zip(got["kv"], sent["kv"])] == [True, True, False]
     assert got["index"] == sent["index"]
 
 
 def test_layout_mismatch_names_the_mtp_layer() -> None:
-    with_mtp = kv_layout.describe(_pool(4), True, aux.buffer(1))
-    without = kv_layout.describe(KVPool(CONFIG, 4, 4, 2, False, torch.float32), False,
+    with_mtp = kv_regions.describe(_pool(4), True, aux.buffer(1))
+    without = kv_regions.describe(KVPool(CONFIG, 4, 4, 2, False, torch.float32), False,
                                  aux.buffer(1))  # fmt: skip
-    assert "--speculative-algorithm" in kv_layout.mismatch(with_mtp, without)
+    assert "--speculative-algorithm" in kv_regions.mismatch(with_mtp, without)
 
 
 def test_aux_record_round_trip() -> None:

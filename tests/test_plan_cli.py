@@ -12,8 +12,8 @@ from test_plan_rules import write_tiny_config
 
 from dsaserve import cli
 from dsaserve.args import ServerArgs
-from dsaserve.deploy.cli import main
 from dsaserve.deploy.models import load_model
+from dsaserve.plan_cli import main
 
 
 def serve_lines(text: str) -> list[str]:

@@ -34,9 +34,8 @@ from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
-from dsaserve.engine.dflash_setup import check_drafter
+from dsaserve.runtime.preflight import check_layout, check_speculative_model, checkpoint_config
 from dsaserve.server import launch
-from dsaserve.server.launch import check_layout
 
 HOSTABLE = 4  # ranks this machine runs (two cores; tests run up to 4 ranks)
 OPTIONS = {
@@ -107,7 +106,7 @@ def start_check(flags: list[str], model: str) -> str | None:
         args = ServerArgs.from_cli(["--model-path", model, *flags])
         check_layout(args)
         speculative_settings(args)
-        check_drafter(args)
+        check_speculative_model(args, checkpoint_config(args))  # DFLASH: the drafter fits
     except ArgsError as e:
         return str(e)
     return None

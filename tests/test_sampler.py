@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dsaserve.layers.sampler import Sampler, SamplingState, _apply_penalties, _top_p
+from dsaserve.engine.sampler import Sampler, SamplingState, _apply_penalties, _top_p
 from dsaserve.sampling_params import SamplingParams
 
 EOS = 0

@@ -179,3 +179,41 @@ def test_anthropic_thinking_tool_use_and_stream(claude: anthropic.Anthropic):
     assert forced.content[-1].type == "tool_use" and forced.content[-1].name == "get_weather"
     assert forced.stop_reason == "tool_use"
     jsonschema.validate(forced.content[-1].input, bounded["input_schema"])
+
+
+def test_responses_thinking_tool_call_and_its_round_trip(client: openai.OpenAI):
+    """`/v1/responses` on DeepSeek-V3.2: `reasoning.effort` turns thinking on, the DSML call is a
+    `function_call` item with typed arguments (streamed or not), and the round trip renders
+    through the built-in encoder as the chat route renders it."""
+    tool = {"type": "function", **TOOLS[0]["function"]}
+    kwargs = {"model": "m", "input": ask("think_tool"), "tools": [tool],
+              "reasoning": {"effort": "high", "summary": "auto"}}  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    assert [o.type for o in whole.output] == ["reasoning", "message", "function_call"]
+    assert whole.output[0].summary[0].text == "The user wants the weather."
+    call = whole.output[2]
+    assert whole.output_text == "Let me check." and call.name == "get_weather"
+    assert json.loads(call.arguments) == WEATHER
+    with client.responses.stream(**kwargs) as stream:
+        streamed = stream.get_final_response()
+    shape = lambda r: [o.model_dump(exclude={"id", "call_id", "parsed"}, exclude_none=True)  # noqa: E731
+                       for o in r.output]  # fmt: skip
+    assert shape(streamed) == shape(whole)
+    off = client.responses.create(model="m", input=ask("answer"))  # thinking is off by default
+    assert [o.type for o in off.output] == ["message"]
+    assert off.output_text == "Reasoning here.</think>The answer is 42."
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    history = [*ask("think_tool"), *[o.model_dump(exclude_none=True) for o in whole.output],
+               result, *ask("answer")]  # fmt: skip
+    second = client.responses.create(model="m", input=history, tools=[tool],
+                                     reasoning={"effort": "high"})  # fmt: skip
+    assert second.output_text == "The answer is 42."
+    function = {"name": call.name, "arguments": call.arguments}
+    calls = [{"id": call.call_id, "type": "function", "function": function}]
+    assistant = {"role": "assistant", "content": "Let me check.", "tool_calls": calls,
+                 "reasoning_content": "The user wants the weather."}  # fmt: skip
+    tool_result = {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
+    messages = [*ask("think_tool"), assistant, tool_result, *ask("answer")]
+    chat = client.chat.completions.create(model="m", messages=messages, tools=TOOLS,
+                                          extra_body=THINKING)  # fmt: skip
+    assert chat.usage.prompt_tokens == second.usage.input_tokens

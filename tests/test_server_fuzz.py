@@ -4,7 +4,12 @@ Bodies come from the route models themselves: every known field of a route (nest
 params and messages included) gets either a plausible value or a hostile one (wrong types, 2^70,
 lone surrogates, NaN-free extremes, deep nesting, huge strings), plus unknown fields. Whatever
 the body: no 5xx, every error in the API's own shape and under a few kB, `/health` 200 after each
-request, the same engine process at the end, and the engine back to idle.
+request, the same engine process at the end of each route's run (an engine death fails the
+test that caused it), and the engine back to idle.
+
+Each run draws a fresh seed (printed on failure: tests/fuzz_seed.py), EXAMPLES bodies per route
+(NIGHTLY with --nightly), with output lengths as clients ask for them: mostly short, one in four
+up to LONG tokens.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 
 import httpx
 import pytest
+from fuzz_seed import run_seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_harness import Server
@@ -27,10 +33,15 @@ from dsaserve.server.openai.protocol import (
     GenerateRequestIn,
     NativeSamplingParams,
 )
+from dsaserve.server.openai.responses_protocol import InputItem, ResponsesRequest
 
-EXAMPLES = 30
+EXAMPLES = 200
+NIGHTLY = 2000
+LONG = 128  # the longest output a valid request asks for
 MAX_ERROR_BYTES = 4000
-LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+LENGTH_FIELDS = ("max_tokens", "max_new_tokens", "max_completion_tokens", "max_output_tokens")
+lengths = st.one_of(st.integers(0, 16), st.integers(0, 16), st.integers(0, 16),
+                    st.integers(17, LONG))  # fmt: skip
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.integers(-3, 70),
@@ -67,12 +78,13 @@ ids = st.lists(st.integers(0, 1000), min_size=1, max_size=6)
 roles = st.sampled_from(["system", "user", "assistant"])
 chat_message = mutated(ChatMessage, st.fixed_dictionaries({"role": roles, "content": text}))
 anthropic_message = mutated(Message, st.fixed_dictionaries({"role": roles, "content": text}))
+responses_item = mutated(InputItem, st.fixed_dictionaries({"role": roles, "content": text}))
 common = {"stream": st.booleans(), "temperature": st.floats(0, 2), "n": st.integers(1, 2),
           "stop": st.lists(st.text(min_size=1, max_size=4), max_size=2)}  # fmt: skip
 sampling = mutated(
     NativeSamplingParams,
     st.fixed_dictionaries(
-        {"max_new_tokens": st.integers(0, 3)},
+        {"max_new_tokens": lengths},
         optional={
             "temperature": st.floats(0, 2),
             "top_k": st.integers(1, 5),
@@ -86,10 +98,10 @@ sampling = mutated(
 ROUTES = {
     "/v1/chat/completions": mutated(ChatCompletionRequest, st.fixed_dictionaries(
         {"messages": st.lists(chat_message, min_size=1, max_size=3),
-         "max_tokens": st.integers(0, 3)}, optional=common)),
+         "max_tokens": lengths}, optional=common)),
     "/v1/completions": mutated(CompletionRequest, st.fixed_dictionaries(
         {"prompt": st.one_of(text.filter(bool), ids, st.lists(ids, min_size=1, max_size=2)),
-         "max_tokens": st.integers(0, 3)}, optional=common)),
+         "max_tokens": lengths}, optional=common)),
     "/generate": mutated(GenerateRequestIn, st.builds(
         lambda prompt, rest: {**prompt, **rest},
         st.one_of(st.fixed_dictionaries({"text": text.filter(bool)}),
@@ -98,9 +110,15 @@ ROUTES = {
                               optional={"stream": st.booleans(), "rid": text}))),
     "/v1/messages": mutated(MessagesRequest, st.fixed_dictionaries(
         {"messages": st.lists(anthropic_message, min_size=1, max_size=3),
-         "max_tokens": st.integers(1, 3)}, optional={"stream": st.booleans(), "system": text})),
+         "max_tokens": lengths.map(lambda n: max(n, 1))},
+        optional={"stream": st.booleans(), "system": text})),
     "/v1/messages/count_tokens": mutated(MessagesRequest, st.fixed_dictionaries(
         {"messages": st.lists(anthropic_message, min_size=1, max_size=3)})),
+    "/v1/responses": mutated(ResponsesRequest, st.fixed_dictionaries(
+        {"input": st.one_of(text.filter(bool), st.lists(responses_item, min_size=1, max_size=3)),
+         "max_output_tokens": st.integers(0, 3)},
+        optional={"stream": st.booleans(), "instructions": text, "temperature": st.floats(0, 2),
+                  "store": st.booleans()})),
     "/abort_request": mutated(AbortIn, st.fixed_dictionaries(
         {}, optional={"rid": text, "abort_all": st.booleans()})),
 }  # fmt: skip
@@ -108,16 +126,19 @@ extras = st.dictionaries(st.sampled_from(["bootstrap_room", "zzz", "lora_path"])
 
 
 def bounded_work(path: str, body: dict) -> dict:
-    """Keep valid requests short: at most 3 new tokens, at most 2 choices."""
+    """Keep valid requests within LONG new tokens and 2 choices (a hostile length stays hostile:
+    only a plausible one over LONG, or a missing one, is brought to LONG)."""
     for name in LENGTH_FIELDS:
         value = body.get(name)
-        if name in body and (value is None or (isinstance(value, int) and value > 3)):
-            body[name] = 3 if not isinstance(value, bool) else value
+        if name in body and (value is None or (isinstance(value, int) and value > LONG)):
+            body[name] = LONG if not isinstance(value, bool) else value
     if path == "/generate" and isinstance(body.get("sampling_params"), dict):
         bounded_work("", body["sampling_params"])
-        body["sampling_params"].setdefault("max_new_tokens", 3)
+        body["sampling_params"].setdefault("max_new_tokens", LONG)
     if path in ("/v1/chat/completions", "/v1/completions"):
-        body.setdefault("max_tokens", 3)
+        body.setdefault("max_tokens", LONG)
+    if path == "/v1/responses":
+        body.setdefault("max_output_tokens", LONG)
     for key in ("n",):
         if (
             isinstance(body.get(key), int)
@@ -132,6 +153,7 @@ def check_answer(path: str, r: httpx.Response) -> None:
     assert r.status_code < 500, (path, r.status_code, r.text[:500])
     if r.status_code == 200:
         assert "InternalServerError" not in r.text and "api_error" not in r.text, r.text[:500]
+        assert "response.failed" not in r.text, r.text[:500]
         return
     assert len(r.content) < MAX_ERROR_BYTES, (path, len(r.content))
     body = r.json()
@@ -141,19 +163,23 @@ def check_answer(path: str, r: httpx.Response) -> None:
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
 
 
+def engine_pid(client: httpx.Client) -> int:
+    return client.get("/get_server_info").json()["engine_pid"]
+
+
 @pytest.fixture(scope="module")
 def client(main_server: Server):
-    with httpx.Client(base_url=main_server.url, timeout=60) as client:
-        pid = client.get("/get_server_info").json()["engine_pid"]
+    with httpx.Client(base_url=main_server.url, timeout=120) as client:
         yield client
-        assert client.get("/get_server_info").json()["engine_pid"] == pid  # no engine death
 
 
 @pytest.mark.parametrize("path", list(ROUTES))
-def test_fuzz_route(client: httpx.Client, path: str):
+def test_fuzz_route(client: httpx.Client, path: str, request: pytest.FixtureRequest):
     statuses: dict[int, int] = {}
+    pid = engine_pid(client)
+    examples = NIGHTLY if request.config.getoption("--nightly") else EXAMPLES
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
     @given(body=ROUTES[path], extra=extras)
     def run(body: dict, extra: dict) -> None:
@@ -162,10 +188,11 @@ def test_fuzz_route(client: httpx.Client, path: str):
         r = client.post(path, content=data, headers={"content-type": "application/json"})
         check_answer(path, r)
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
-        assert client.get("/health").status_code == 200
+        assert client.get("/health").status_code == 200, "the engine died"
 
-    run()
+    run_seeded(run)
     print(path, dict(sorted(statuses.items())))
+    assert engine_pid(client) == pid  # no engine death (nor a quiet restart)
     assert statuses.get(400), statuses  # hostile values were refused...
     assert statuses.get(200), statuses  # ...and plausible ones served
 

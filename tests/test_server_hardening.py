@@ -127,7 +127,7 @@ def nested(depth: int) -> str:
 
 
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/generate", "/v1/messages",
-          "/v1/messages/count_tokens", "/abort_request"]  # fmt: skip
+          "/v1/messages/count_tokens", "/v1/responses", "/abort_request"]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", ROUTES)
@@ -151,6 +151,9 @@ SURROGATES = [
      None),
     ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": SURROGATE}]}]}, None),
+    ("/v1/responses", {"input": SURROGATE}, "input"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": SURROGATE}]}]}, "input[0].content[0].text"),
 ]  # fmt: skip
 
 
@@ -185,6 +188,8 @@ BIG_INTS = [
     ("/generate", {"text": "x", "sampling_params": {"seed": "x"}}, "sampling_params.seed"),
     ("/generate", {"text": "x", "sampling_params": {"n": 1.5}}, "sampling_params.n"),
     ("/generate", {"text": "x", "top_logprobs_num": BIG}, None),
+    ("/v1/responses", {"input": "x", "max_output_tokens": BIG}, "max_output_tokens"),
+    ("/v1/responses", {"input": "x", "temperature": "hot"}, "temperature"),
 ]  # fmt: skip
 
 

@@ -154,9 +154,8 @@ def test_engine_start_failure_exits_with_a_message(tmp_path: Path, server_checkp
 def test_watchdog_ends_a_stuck_engine(server_checkpoint: Path, tmp_path: Path):
     """A step longer than --watchdog-timeout ends the engine; the request fails, never hangs."""
     scripts = write_scripts(tmp_path, {"stall": {"text": "slow", "chunk": 1, "delay": 30}})
-    env = {"DSASERVE_TEST_ENGINE": "scripted"}  # no model: replay scripts only
-    with running_server(server_checkpoint, "--watchdog-timeout", "1", env=env,
-                        scripts=scripts) as server:  # fmt: skip
+    flags = ["--watchdog-timeout", "1"]  # no model: the scripts alone
+    with running_server(server_checkpoint, *flags, scripts=scripts, real_engine=False) as server:
         start = time.monotonic()
         r = httpx.post(
             server.url + "/v1/chat/completions",

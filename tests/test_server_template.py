@@ -101,19 +101,22 @@ def test_tool_choice_required_and_named_become_a_tool_call_grammar(folder: Path)
     thinking = render(tm, [{"role": "user", "content": "hi"}], [TOOL])
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
     fields = lambda choice, prompt: tm.structured.chat_fields(
-        request, [TOOL], choice, "glm47", prompt
+        request, [TOOL], choice, "glm47", prompt, tm.reasoning_parser
     )  # noqa: E731
     assert fields("auto", thinking) == {}  # not strict: no grammar
     assert fields("none", thinking) == {}
     required = fields("required", thinking)
     assert required["grammar_after_token_id"] == vocab["</think>"]  # the answer after thinking
+    assert required["grammar_think_exits"] == ["</think>", "<tool_call>"]  # the parser's exits
+    unsplit = tm.structured.chat_fields(request, [TOOL], "required", "glm47", thinking, None)
+    assert unsplit["grammar_after_token_id"] is None  # no reasoning parser: all is the answer
     assert json.loads(required["tool_call_grammar"])["mode"] == "required"
     named = fields({"type": "function", "function": {"name": "f"}},
                    thinking.removesuffix("<think>") + "</think>")  # fmt: skip
     assert named["grammar_after_token_id"] is None  # thinking off: constrained from the start
     assert json.loads(named["tool_call_grammar"])["tools"][0]["name"] == "f"
     strict = dict(TOOL, function=dict(TOOL["function"], strict=True))
-    auto = tm.structured.chat_fields(request, [strict], "auto", "glm47", thinking)
+    auto = tm.structured.chat_fields(request, [strict], "auto", "glm47", thinking, "glm45")
     assert json.loads(auto["tool_call_grammar"])["mode"] == "auto"
     none = manager(folder, tool_call_parser="glm47", grammar_backend="none").structured
     with pytest.raises(APIError, match="grammar-backend none"):

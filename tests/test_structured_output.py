@@ -92,21 +92,40 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("structured") / "ckpt"
-    shutil.copytree(server_checkpoint, folder)
-    llm = LLM(str(folder), max_total_tokens=2048, page_size=16)
-    prompt = llm.tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True,
-                                               enable_thinking=True)  # fmt: skip
-    third = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0),
-                         use_tqdm=False)[0].token_ids[2]  # fmt: skip
-    think_end = llm.tokenizer.convert_tokens_to_ids("</think>")
-    del llm
+STRICT = [dict(WEATHER, function=dict(WEATHER["function"], strict=True)), LOOKUP]
+GO = [{"role": "user", "content": "Go"}]
+
+
+def swap_head_rows(folder: Path, a: int, b: int) -> None:
     tensors = load_file(str(folder / "model.safetensors"))
     head = tensors["lm_head.weight"]
-    head[[third, think_end]] = head[[think_end, third]]
+    head[[a, b]] = head[[b, a]]
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def greedy_ids(folder: Path, messages: list[dict], count: int, **template) -> list[int]:
+    llm = LLM(str(folder), max_total_tokens=2048, page_size=16)
+    prompt = llm.tokenizer.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True, **template)  # fmt: skip
+    out = llm.generate([prompt], SamplingParams(max_tokens=count, temperature=0), use_tqdm=False)
+    ids = {t: llm.tokenizer.convert_tokens_to_ids(t) for t in ("</think>", "<tool_call>")}
+    del llm
+    return out[0].token_ids, ids
+
+
+@pytest.fixture(scope="module")
+def checkpoint(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random model, with two pairs of lm_head rows swapped so that greedily it writes two
+    reasoning tokens then `</think>` for PROMPT, and opens `<tool_call>` at once for GO with the
+    STRICT tools (so the strict-tool tests see calls to check, not only text)."""
+    folder = tmp_path_factory.mktemp("structured") / "ckpt"
+    shutil.copytree(server_checkpoint, folder)
+    out, ids = greedy_ids(folder, PROMPT, 3, enable_thinking=True)
+    swap_head_rows(folder, out[2], ids["</think>"])
+    out, _ = greedy_ids(folder, GO, 1, tools=STRICT, enable_thinking=False)
+    swap_head_rows(folder, out[0], ids["<tool_call>"])
+    assert greedy_ids(folder, PROMPT, 3, enable_thinking=True)[0][2] == ids["</think>"]
+    assert greedy_ids(folder, GO, 1, tools=STRICT, enable_thinking=False)[0] == [ids["<tool_call>"]]
     return folder
 
 
@@ -191,8 +210,16 @@ def test_regex_and_ebnf_on_generate(server: Server):
             assert answer["meta_info"]["finish_reason"]["type"] == "stop"
 
 
-def calls_of(message) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+def calls_of(message, cut: bool = False) -> list[tuple[str, dict]]:
+    """The message's calls, parsed; `cut`: the answer hit max_tokens, so its last call may be
+    cut (its arguments are then not JSON): left out."""
+    calls = message.tool_calls or []
+    if cut and calls:
+        try:
+            json.loads(calls[-1].function.arguments)
+        except ValueError:
+            calls = calls[:-1]
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
 
 
 def validate_calls(calls: list[tuple[str, dict]], tools: list[dict]) -> None:
@@ -225,19 +252,27 @@ def test_tool_choice_required_and_named_calls_validate(client: openai.OpenAI):
                                          tool_choice="required", temperature=1.0, max_tokens=120,
                                          extra_body=NO_THINK)  # fmt: skip
     for c in out.choices:
-        calls = calls_of(c.message)
-        complete = calls if c.finish_reason == "tool_calls" else calls[:-1]
-        assert calls and c.finish_reason in ("tool_calls", "length") and c.message.content is None
-        validate_calls(complete, tools)
+        assert c.message.tool_calls and c.message.content is None
+        assert c.finish_reason in ("tool_calls", "length")
+        validate_calls(calls_of(c.message, cut=c.finish_reason == "length"), tools)
 
 
 def test_strict_tools_validate_when_called(client: openai.OpenAI):
-    strict = [dict(WEATHER, function=dict(WEATHER["function"], strict=True)), LOOKUP]
-    out = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Go"}],
-                                         tools=strict, n=6, seed=5, temperature=1.0,
-                                         max_tokens=80, extra_body=NO_THINK)  # fmt: skip
+    """Strict tools under "auto": the model may write text, and a call it opens is constrained
+    by its tool's schema. Greedily this model opens a call at once (see `checkpoint`), so there
+    is a call to check; sampled choices may write text, or calls that validate."""
+    greedy = client.chat.completions.create(model="m", messages=GO, tools=STRICT, max_tokens=80,
+                                            temperature=0, extra_body=NO_THINK)  # fmt: skip
+    finish = greedy.choices[0].finish_reason
+    calls = calls_of(greedy.choices[0].message, cut=finish == "length")
+    assert calls and finish in ("tool_calls", "length"), greedy  # a whole call, to validate
+    validate_calls(calls, STRICT)
+    out = client.chat.completions.create(model="m", messages=GO, tools=STRICT, n=6, seed=5,
+                                         temperature=1.0, max_tokens=80,
+                                         extra_body=NO_THINK)  # fmt: skip
     for choice in out.choices:
-        validate_calls(calls_of(choice.message), strict)  # text, or calls that validate
+        calls = calls_of(choice.message, cut=choice.finish_reason == "length")
+        validate_calls(calls, STRICT)  # text, or calls that validate
 
 
 def test_uncompilable_grammars_are_400_naming_the_field(client: openai.OpenAI, server: Server):

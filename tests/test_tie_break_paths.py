@@ -100,8 +100,8 @@ def test_row_blocked_prefill_equals_plain(family, monkeypatch):
     indexer's scan into blocks of 3 rows x 5 keys (what bounds memory for long prompts)."""
     folder, prompts, alone = family
     monkeypatch.setattr("dsaserve.layers.indexer.WORKSPACE", 256)
-    monkeypatch.setattr("dsaserve.layers.indexer_scan.ROWS", 3)
-    monkeypatch.setattr("dsaserve.layers.indexer_scan.KEY_TILE", 5)
+    monkeypatch.setattr("dsaserve.kernels.indexer_scan.ROWS", 3)
+    monkeypatch.setattr("dsaserve.kernels.indexer_scan.KEY_TILE", 5)
     llm = LLM(folder, max_total_tokens=KV, page_size=16)
     assert_same(generate(llm, prompts, NEW), alone, "row-blocked")
 

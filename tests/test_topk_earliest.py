@@ -6,7 +6,7 @@ import pytest
 import torch
 from tie_break import stable_topk
 
-from dsaserve.layers.topk import topk_earliest
+from dsaserve.kernels.topk import topk_earliest
 
 
 def _expected(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from triton_env import DEVICE, gpu, needs_triton
 
-from dsaserve.layers.static_moe import static_experts
-from dsaserve.models.fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8, quantize_block_fp8
+from dsaserve.kernels.static_moe import static_experts
 
 pytestmark = needs_triton
 
@@ -71,6 +71,49 @@ def test_grouped_experts_float_matches_torch(shape, layout) -> None:
     experts.down_proj[idle.to(DEVICE)] = float("nan")
     got = grouped_experts(experts, x, index, weights, layout)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["masked", "contiguous"])
+def test_grouped_experts_bf16_on_tensor_core_tiles(layout) -> None:
+    """bf16 weights and activations: 16-bit dots with fp32 accumulation (the masked layout's
+    16-row blocks swap-AB), against the fp32 torch op over the same bf16 values."""
+    from dsaserve.kernels.triton_moe import grouped_experts
+    from dsaserve.kernels.triton_tile import tile
+
+    tokens, top_k, e, h, i = SHAPES[2]
+    g = torch.Generator().manual_seed(4)
+    experts = _float_experts(e, h, i, g)
+    x = torch.randn(tokens, h, generator=g).bfloat16().to(DEVICE)
+    index, weights = _routing(tokens, top_k, e, g)
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(experts, name, nn.Parameter(getattr(experts, name).bfloat16(), requires_grad=False))
+    want = static_experts(FakeExperts(experts.gate_up_proj.float(), experts.down_proj.float()),
+                          x.float(), index, weights)  # fmt: skip
+    assert tile(16, x.dtype, torch.bfloat16, x.device).SWAP
+    assert not tile(64, x.dtype, torch.bfloat16, x.device).SWAP
+    got = grouped_experts(experts, x, index, weights, layout)
+    assert got.dtype == torch.bfloat16
+    error = ((got.float() - want).norm() / want.norm()).item()
+    assert error < 1e-2, error  # the hidden activation and the output rounded to bf16
+
+
+def test_software_e4m3_experts_equal_the_hardware_ones() -> None:
+    """sm_80: weights and activations read as bytes and decoded with integer ops to fp16."""
+    from dsaserve.kernels.gpu_target import as_target
+    from dsaserve.kernels.triton_moe import grouped_experts
+
+    g = torch.Generator().manual_seed(5)
+    experts = _float_experts(4, 128, 128, g)
+    for name in ("gate_up_proj", "down_proj"):
+        w8, scale = quantize_block_fp8(getattr(experts, name).cpu())
+        setattr(experts, name, nn.Parameter(w8.to(DEVICE), requires_grad=False))
+        setattr(experts, f"{name}_scale_inv", nn.Parameter(scale.to(DEVICE), requires_grad=False))
+    x = torch.randn(5, 128, generator=g).to(DEVICE)
+    index, weights = _routing(5, 2, 4, g)
+    hardware = grouped_experts(experts, x, index, weights)
+    with as_target(8, 0):
+        software = grouped_experts(experts, x, index, weights)
+    torch.testing.assert_close(software, hardware, rtol=1e-6, atol=1e-6)
 
 
 def _quantised_reference(x, index, weights, gate_up8, gate_scale, down8, down_scale):

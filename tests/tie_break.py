@@ -1,7 +1,7 @@
 """Helpers for the tie-break tests: an independent "earlier position wins" top-k patched into the
 transformers reference (in the test, never in the library), and logprob extraction.
 
-The reference rule is a full stable sort, written without `dsaserve.layers.topk`, so the engine's
+The reference rule is a full stable sort, written without `dsaserve.kernels.topk`, so the engine's
 O(length) trick is checked against the plain definition.
 """
 

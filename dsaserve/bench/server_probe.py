@@ -56,3 +56,14 @@ def accept_length(info: dict[str, Any] | None) -> float | None:
             return float(value)
     value = info.get("avg_spec_accept_length")
     return float(value) if value is not None else None
+
+
+def server_threads(info: dict[str, Any] | None) -> str | None:
+    """The server's CPU threads and decode path (`internal_states[0]`), e.g. "2 (native)"."""
+    states = (info or {}).get("internal_states")
+    if not isinstance(states, list) or not states or not isinstance(states[0], dict):
+        return None
+    threads, path = states[0].get("cpu_threads"), states[0].get("decode_path")
+    if threads is None:
+        return None
+    return f"{threads} ({path})" if path else str(threads)

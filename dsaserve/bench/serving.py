@@ -138,7 +138,8 @@ async def _bench(args: argparse.Namespace, base_url: str) -> dict[str, Any]:
             requests, args.request_rate, args.max_concurrency, args.seed, not args.disable_progress
         )
         accept = server_probe.accept_length(await server_probe.server_info(client, base_url))
-    return _record(args, model, counter, summarize(results, duration, accept), results)
+    record = _record(args, model, counter, summarize(results, duration, accept), results)
+    return record | {"server_threads": server_probe.server_threads(info)}
 
 
 def _public_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -195,6 +196,7 @@ def _table(record: dict[str, Any]) -> str:
         "Traffic request rate": record["request_rate"],
         "Max request concurrency": record["max_concurrency"],
         "Tokenizer": record["tokenizer"],
+        "Server CPU threads": record.get("server_threads") or "not reported",
     }
     return format_table(record, header)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from dsaserve.deploy.models import ModelSpec
-from dsaserve.engine.kv_layout import mla_entry_bytes
+from dsaserve.kernels.fp8_kv_sizes import mla_entry_bytes
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 weight + one fp32 scale per 128x128 block
 FP4_BYTES = 0.5 + 1 / 16  # e2m1 weight + one fp8 scale per 16 elements (NVFP4)
@@ -138,7 +138,7 @@ def mla_bytes_per_layer(m: ModelSpec, kv_dtype: str) -> int:
     """One token's MLA entry (latent + rope key) in one layer."""
     if kv_dtype == "fp32":
         return (m.kv_lora_rank + m.qk_rope_head_dim) * 4
-    if kv_dtype == "fp8_e4m3":  # the pool's own layout (engine/kv_quant.py): 656 B for GLM-5
+    if kv_dtype == "fp8_e4m3":  # the pool's own layout (kernels/kv_quant.py): 656 B for GLM-5
         return mla_entry_bytes(m.kv_lora_rank, m.qk_rope_head_dim)
     return 2 * (m.kv_lora_rank + m.qk_rope_head_dim)
 
@@ -157,7 +157,7 @@ def kv_bytes_per_token(m: ModelSpec, kv_dtype: str, with_mtp: bool = False) -> i
 def layer_split_kv_bytes_per_token(
     m: ModelSpec, kv_dtype: str, cp: int, with_mtp: bool = False
 ) -> int:
-    """One CP rank's KV bytes per token under LayerSplit (distributed/layer_split.py): the MLA
+    """One CP rank's KV bytes per token under LayerSplit (layers/layer_split.py): the MLA
     entries of its ceil(L / cp) main layers, one scratch layer for the others' fetched entries,
     every MTP layer; the indexer keys of every layer stay whole."""
     mtp = m.num_nextn_predict_layers if with_mtp else 0

@@ -10,7 +10,7 @@ from typing import Any
 import zmq
 
 from dsaserve.args import ServerArgs
-from dsaserve.disaggregation import aux, kv_layout
+from dsaserve.disaggregation import aux, kv_regions
 from dsaserve.disaggregation.transfer import create
 from dsaserve.engine.io import RequestOutput
 from dsaserve.engine.request import Req
@@ -38,11 +38,11 @@ class RoleEngine:
         self.session = uuid.uuid4().hex[:12]
         self.aux = aux.buffer(aux_slots)
         pool = engine.pool
-        self.layout = kv_layout.describe(pool, engine.with_mtp, self.aux)
+        self.layout = kv_regions.describe(pool, engine.with_mtp, self.aux)
         self.agent_name = f"dsaserve-{self.role}-{self.session}"
         backend = args.disaggregation_transfer_backend
         self.transfer = create(backend, self.agent_name, args.host, args.disaggregation_ib_device)
-        self.transfer.register(kv_layout.regions(pool, self.aux))
+        self.transfer.register(kv_regions.regions(pool, self.aux))
         self.counters = {"pd_rooms_ok": 0, "pd_rooms_failed": 0, "pd_rooms_aborted": 0,
                          "pd_bytes": 0, "pd_transfer_seconds": 0.0, "pd_checksum_layers_ok": 0,
                          "pd_checksum_mismatches": 0}  # fmt: skip
@@ -62,6 +62,9 @@ class RoleEngine:
 
     def flush_cache(self) -> bool:
         return self.engine.flush_cache()
+
+    def idle(self) -> bool:
+        return self.engine.idle()  # one rank: nothing to join
 
     def stats(self) -> dict:
         return {**self.engine.stats(), **self.counters, "pd_role": self.role,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.args import ServerArgs
-from dsaserve.disaggregation import aux, kv_layout
+from dsaserve.disaggregation import aux, kv_regions
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import Abort, KVPoll, Registration, Status, TransferInfo
@@ -138,7 +138,7 @@ class DecodeEngine(RoleEngine):
 
     def _allocate(self, state: Room) -> bool:
         pool, cache = self.engine.pool, self.engine.cache
-        need = kv_layout.pages_for(len(state.req.prompt_ids), pool.page_size)
+        need = kv_regions.pages_for(len(state.req.prompt_ids), pool.page_size)
         if pool.pages.num_free < need:
             cache.evict(need - pool.pages.num_free)
         slot = self.slots.take()
@@ -179,7 +179,7 @@ class DecodeEngine(RoleEngine):
         return self.engine.adopt(state.req, pages, token, logprob)
 
     def _verify(self, state: Room, expected: dict) -> str | None:
-        got = kv_layout.checksums(self.engine.pool, state.pages, len(state.req.prompt_ids))
+        got = kv_regions.checksums(self.engine.pool, state.pages, len(state.req.prompt_ids))
         bad = [f"{cache}[{i}]" for cache in ("kv", "index")
                for i, (a, b) in enumerate(zip(got[cache], expected[cache])) if a != b]  # fmt: skip
         if len(got["kv"]) != len(expected["kv"]) or len(got["index"]) != len(expected["index"]):

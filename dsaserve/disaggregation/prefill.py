@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsaserve.args import ServerArgs
-from dsaserve.disaggregation import aux, bootstrap, kv_layout
+from dsaserve.disaggregation import aux, bootstrap, kv_regions
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
     Abort,
@@ -155,7 +155,7 @@ class PrefillEngine(RoleEngine):
         old = self.peers.pop(message.endpoint, None)
         if old is not None and old.handle:
             self.transfer.remove_peer(old.handle)
-        error = kv_layout.mismatch(self.layout, message.layout)
+        error = kv_regions.mismatch(self.layout, message.layout)
         handle = None
         if error is None:
             try:
@@ -239,14 +239,14 @@ class PrefillEngine(RoleEngine):
 
     def _write(self, room: int, req: Req, info: TransferInfo, peer: Peer) -> dict:
         prompt_len = len(req.prompt_ids)
-        pages = req.pages[: kv_layout.pages_for(prompt_len, self.engine.pool.page_size)]
+        pages = req.pages[: kv_regions.pages_for(prompt_len, self.engine.pool.page_size)]
         if len(info.pages) != len(pages):
             raise ValueError(f"the decode gave {len(info.pages)} pages for {len(pages)}")
         token = req.output_ids[0]
         logprob = req.pending_logprobs[0] if req.pending_logprobs else None
         aux.pack(self.aux, 0, token, logprob)
-        segments = kv_layout.kv_segments(self.layout, peer.layout, pages, info.pages)
-        tail = [kv_layout.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
+        segments = kv_regions.kv_segments(self.layout, peer.layout, pages, info.pages)
+        tail = [kv_regions.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
         kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
@@ -261,7 +261,7 @@ class PrefillEngine(RoleEngine):
         self.counters["pd_transfer_seconds"] += seconds
         detail: dict = {"bytes": size, "seconds": seconds, "prompt_len": prompt_len}
         if self.args.disaggregation_checksum:
-            detail["checksums"] = kv_layout.checksums(self.engine.pool, pages, prompt_len)
+            detail["checksums"] = kv_regions.checksums(self.engine.pool, pages, prompt_len)
         return detail
 
     def close(self, graceful: bool = True) -> None:

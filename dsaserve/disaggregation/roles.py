@@ -1,11 +1,23 @@
-"""`wrap(engine, args, reject)`: the engine in its `--disaggregation-mode` role."""
+"""What `dsaserve serve` drives: the engine in its `--disaggregation-mode` role (none, prefill,
+decode). `serving_engine` is the engine process's default EngineFactory."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaserve.args import ArgsError, ServerArgs
-from dsaserve.disaggregation.common import Reject
+
+if TYPE_CHECKING:  # the API process pickles `serving_engine` for the spawn: it stays light
+    from dsaserve.disaggregation.common import Reject
+    from dsaserve.distributed.parallel_state import ParallelState
+
+
+def serving_engine(args: ServerArgs, parallel: ParallelState, reject: Reject) -> Any:
+    """The engine on this attention group's ranks, wrapped in its PD role when one is set."""
+    from dsaserve.engine.engine import Engine  # the engine process's: the API process has none
+
+    engine = Engine(args, parallel, show_progress=parallel.rank == 0)
+    return engine if args.disaggregation_mode == "null" else wrap(engine, args, reject)
 
 
 def wrap(engine: Any, args: ServerArgs, reject: Reject) -> Any:

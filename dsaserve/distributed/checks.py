@@ -1,5 +1,7 @@
 """Refuse a parallel layout that cannot work before any process starts: one line, naming the
-flag."""
+flag. The tp / ep / DP-attention / nodes layout against the model's shapes (`check_parallel`), and
+the context-parallel and LayerSplit flags (`check_context_parallel`); runtime/preflight.py runs
+them."""
 
 from __future__ import annotations
 
@@ -92,3 +94,44 @@ def moe_backend_note(args: Any, device_type: str) -> str | None:
     else:
         why = "DeepEP is not available on CPU"
     return f"--moe-a2a-backend deepep: {why}; {fallback}"
+
+
+ZIGZAG_REFUSAL = ("--cp-strategy zigzag is temporarily unavailable for GLM-5.3 and DeepSeek-V3.2;"
+                  " use --cp-strategy interleave with --dp 1")  # fmt: skip
+
+
+def check_context_parallel(args: Any) -> None:
+    """Refuse a CP layout this build cannot run, in one line naming the flag (CP on a decode
+    worker and `interleave` with DP attention are refused when ServerArgs is built)."""
+    n = args.attn_cp_size
+    if n == 1 and not args.enable_prefill_cp:
+        check_layer_split(args)
+        return
+    if not args.enable_prefill_cp:
+        raise ArgsError(f"--attn-cp-size {n}: context parallelism here is for prefill; add "
+                        "--enable-prefill-cp --cp-strategy interleave")  # fmt: skip
+    if n == 1:
+        raise ArgsError("--enable-prefill-cp needs --attn-cp-size > 1 (the CP ranks)")
+    if args.cp_strategy == "zigzag":
+        raise ArgsError(ZIGZAG_REFUSAL)
+    if args.dp_size != 1:
+        raise ArgsError(f"--cp-strategy interleave needs --dp 1 (got --dp {args.dp_size}; "
+                        "SGLang requires dp_size == 1)")  # fmt: skip
+    if str(args.kv_cache_dtype).startswith("fp8"):
+        raise ArgsError("--enable-prefill-cp with --kv-cache-dtype fp8_e4m3: the CP all-gathers "
+                        "move unquantised entries; use the default KV dtype")  # fmt: skip
+    check_layer_split(args)
+    if args.tp_size != n:
+        raise ArgsError(
+            f"--attn-cp-size {n} must equal --tp {args.tp_size}: the CP ranks are the TP ranks "
+            "(attention TP inside a CP group is not supported yet)"
+        )
+
+
+def check_layer_split(args: Any) -> None:
+    on_cp = args.enable_prefill_cp and args.attn_cp_size > 1
+    if args.enable_dsa_cache_layer_split and not on_cp:
+        raise ArgsError(
+            "--enable-dsa-cache-layer-split splits the KV over the CP ranks: it needs "
+            "--attn-cp-size N --enable-prefill-cp --cp-strategy interleave"
+        )

@@ -26,9 +26,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import Kernels
+from dsaserve.layers.forward_batch import ForwardBatch, forward_context
 from dsaserve.layers.static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch
+from dsaserve.layers.forward_batch import ForwardBatch
 from dsaserve.layers.fused import FusedDecode
 
 logger = logging.getLogger(__name__)
@@ -33,13 +33,15 @@ class DecodeStep:
         self._first_call = compiled
 
     @classmethod
-    def build(cls, model: nn.Module, enabled: bool, compiled: bool,
-              native: bool = True) -> DecodeStep | None:  # fmt: skip
+    def build(cls, model: nn.Module, enabled: bool, compiled: bool, native: bool = True,
+              cache_dtype: torch.dtype = torch.float32) -> DecodeStep | None:  # fmt: skip
         """The decode step of `model`, or None (layered model for every step) when disabled or
         when the weights are not plain same-dtype linears (e.g. FP8). `native`: run the layers
-        in the C++ extension (kernels/cpu_decode.py) where it builds; compiling takes the
-        Python path (torch.compile traces Python)."""
-        fused = FusedDecode.build(model, native=native and not compiled) if enabled else None
+        in the C++ extension (layers/cpu_decode.py) where it builds; compiling takes the
+        Python path (torch.compile traces Python). `cache_dtype`: the pool's storage dtype
+        (uint8: FP8); only the native layers read a pool in another dtype than fp32."""
+        native = native and not compiled
+        fused = FusedDecode.build(model, native, cache_dtype) if enabled else None
         if fused is None:
             if compiled:
                 logger.warning("--enable-torch-compile: no fused decode path for this model")
@@ -50,15 +52,13 @@ class DecodeStep:
     def accepts(batch: ForwardBatch) -> bool:
         return FusedDecode.accepts(batch)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fused.logits(hidden)
-
-    def tapped(self, taps: tuple[int, ...]) -> torch.Tensor:
-        """The installed all-decode batch's [final ‖ tapped layers] (a DFlash verify; the
-        uncompiled fused path)."""
-        return self.fused.forward(taps)
+    @property
+    def native(self):
+        """The native layers (layers/cpu_decode.py), or None: the Python fused path."""
+        return self.fused.native
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+        """The logits [T, V] of every row of `batch` (installed)."""
         if not self._first_call:
             return self._forward()
         start = time.perf_counter()

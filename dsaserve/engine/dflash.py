@@ -7,9 +7,9 @@ One engine step, block size B (K = B - 1 drafts):
    entries, so nothing is recomputed or copied per step.
 2. **Verify.** One target forward runs the prefill chunks and, per decoding request, B tokens
    [last token, d_1..d_K] at positions kv_len .. kv_len + K as B decode rows (each over its own
-   prefix, running its own DSA indexer), returning with the final hidden states the hidden
-   states of the drafter's target layers (`DsaMoeForCausalLM.forward(taps)`; the CUDA graphs
-   capture the same).
+   prefix, running its own DSA indexer), returning with the logits the hidden states of the
+   drafter's target layers (`ModelRunner.run_tapped`: the native decode layers copy them out
+   in the same C++ call; the layered model's `forward(taps)` and the CUDA graphs add them).
 3. **Accept.** Row by row, as `dflash_accept.py` says: greedy output equals decoding without
    speculation, and sampled output is distributed as the target's.
 4. **Context.** The tapped states of every position the target just computed and kept (the
@@ -28,10 +28,10 @@ from dsaserve.engine.dflash_accept import Acceptor, Append, rejection_drawn
 from dsaserve.engine.dflash_draft import DraftContext, Drafter, Proposals
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.request import Req
+from dsaserve.engine.sampler import Sampler
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.engine.spec_report import SpecReport
 from dsaserve.engine.speculative import VerifyLayout
-from dsaserve.layers.sampler import Sampler
 
 
 class DFlashDecoder:
@@ -56,11 +56,12 @@ class DFlashDecoder:
         layout = VerifyLayout(scheduled, verify, self.num_steps)
         drafting = [i for i, v in enumerate(verify) if v]
         proposals = self._draft([reqs[i] for i in drafting], sampler)
-        hidden = self._verify_forward(scheduled, layout, drafting, proposals)
-        emitted = self._accept(scheduled, layout, drafting, proposals, hidden, sampler, append)
+        first_row, rows = layout.logits_rows(scheduled, self.num_steps)
+        logits, tapped = self._verify_forward(scheduled, layout, drafting, proposals, rows)
+        emitted = self._accept(scheduled, drafting, proposals, first_row, logits, sampler, append)
         for i, req in enumerate(reqs):
             req.kv_len = scheduled.starts[i] + emitted[i] if verify[i] else scheduled.ends[i]
-        self._write_context(scheduled, layout, hidden)
+        self._write_context(scheduled, layout, tapped)
 
     def _can_verify(self, req: Req) -> bool:
         """Decoding, with pages for the whole block (the scheduler grows them by B)."""
@@ -73,29 +74,28 @@ class DFlashDecoder:
         sampled = [rejection_drawn(req.sampling) for req in reqs]
         return self.drafter.propose(reqs, sampled, sampler)
 
-    def _verify_forward(self, scheduled, layout: VerifyLayout, drafting, proposals) -> torch.Tensor:
-        """[T, H * (1 + taps)]: final and tapped hidden states of the chunks and verify runs."""
+    def _verify_forward(self, scheduled, layout: VerifyLayout, drafting, proposals, rows):
+        """(the logits [R, V] of `rows`: every verify row, the last row of each chunk that ends
+        its prompt; the tapped states [T, n * H] of every row computed)."""
         block = {i: proposals.tokens[j] for j, i in enumerate(drafting)}
         input_ids = [[req.fill_ids[s], *block[i]] if i in block else req.fill_ids[s:e]
                      for i, (req, s, e) in enumerate(zip(scheduled.reqs, scheduled.starts,
                                                          scheduled.ends))]  # fmt: skip
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
-        return self.runner.run_target(batch, self.taps)
+        picked = torch.tensor(rows, dtype=torch.long, device=self.runner.device)  # may be empty
+        return self.runner.run_tapped(batch, self.taps, picked)
 
-    def _accept(self, scheduled, layout, drafting, proposals, hidden, sampler, append) -> list[int]:
+    def _accept(self, scheduled, drafting, proposals, first_row, logits, sampler,
+                append) -> list[int]:  # fmt: skip
         reqs, k = scheduled.reqs, self.num_steps
-        first_row, rows = layout.logits_rows(scheduled, k)
-        width = self.model.config.hidden_size
-        picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
-        logits = self.model.logits(hidden[picked, :width])
         drafts = {i: j for j, i in enumerate(drafting)}
         emitted, counts = Acceptor(sampler, append).run(reqs, first_row, logits, drafts,
                                                         proposals, k)  # fmt: skip
         self.report.add(counts)
         return emitted
 
-    def _write_context(self, scheduled, layout: VerifyLayout, hidden: torch.Tensor) -> None:
+    def _write_context(self, scheduled, layout: VerifyLayout, tapped: torch.Tensor) -> None:
         """Drafter context entries of every position computed and kept this step."""
         rows, positions, slots = [], [], []
         for i, req in enumerate(scheduled.reqs):
@@ -103,6 +103,6 @@ class DFlashDecoder:
             rows.append(torch.arange(layout.offsets[i], layout.offsets[i] + kept))
             positions.append(torch.arange(start, start + kept))
             slots.append(req.slots[start : start + kept])
-        device = hidden.device
-        taps = hidden[torch.cat(rows).to(device), self.model.config.hidden_size :]
+        device = tapped.device
+        taps = tapped[torch.cat(rows).to(device)]
         self.context.write(taps, torch.cat(positions).to(device), torch.cat(slots).to(device))

@@ -29,9 +29,9 @@ import torch
 
 from dsaserve.engine.dflash_draft import Proposals
 from dsaserve.engine.request import Req
+from dsaserve.engine.sampler import Sampler, SamplingState, token_logprobs
 from dsaserve.engine.spec_report import SpecCounters
 from dsaserve.engine.speculative import is_plain_greedy
-from dsaserve.layers.sampler import Sampler, SamplingState, token_logprobs
 
 Append = Callable[[Req, int, object], None]
 

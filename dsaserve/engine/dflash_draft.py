@@ -28,8 +28,8 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dsaserve.engine.request import Req
+from dsaserve.engine.sampler import Sampler, filtered_probs
 from dsaserve.kernels.registry import Kernels
-from dsaserve.layers.sampler import Sampler, filtered_probs
 from dsaserve.models.dflash import DFlashDraftModel
 
 

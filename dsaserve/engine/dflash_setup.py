@@ -3,13 +3,12 @@ target, its block size, its context entries' bytes per pool token, and the step 
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 
-from dsaserve.args import ArgsError, ServerArgs
-from dsaserve.dflash_args import DFlashSettings, dflash_settings
+from dsaserve.args import ArgsError
+from dsaserve.dflash_args import DFlashSettings
 from dsaserve.engine.dflash import DFlashDecoder
 from dsaserve.engine.dflash_draft import DraftContext, Drafter
 from dsaserve.engine.model_runner import ModelRunner
@@ -38,27 +37,14 @@ def load_dflash(settings: DFlashSettings, target: ModelConfig, dtype: torch.dtyp
     return drafter
 
 
-def check_drafter(args: ServerArgs) -> None:
-    """Refuse, before any process starts, DFLASH flags or a drafter that cannot serve the
-    target (one line naming the flag or the config field)."""
-    settings = dflash_settings(args)
-    if settings is None:
-        return
-    try:
-        target = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args
-                                                                 or "{}"))  # fmt: skip
-        DFlashConfig.from_dir(settings.draft_path).check_fits(target)
-    except ConfigError as e:
-        raise ArgsError(str(e)) from None
-
-
 def block_size(settings: DFlashSettings, drafter: DFlashDraftModel) -> int:
     """The verify window: --speculative-dflash-block-size, else the checkpoint's."""
     return settings.block_size or drafter.config.block_size
 
 
-def context_bytes_per_token(drafter: DFlashDraftModel, dtype: torch.dtype) -> int:
-    return DraftContext.bytes_per_token(drafter.config, dtype.itemsize)
+def context_bytes_per_token(settings: DFlashSettings, dtype: torch.dtype) -> int:
+    """The drafter's context bytes per pool token (read from its config alone)."""
+    return DraftContext.bytes_per_token(DFlashConfig.from_dir(settings.draft_path), dtype.itemsize)
 
 
 def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kernels,

@@ -6,83 +6,61 @@ offline `LLM` drives it in-process.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import AutoTokenizer
 
-from dsaserve.args import ArgsError, ServerArgs, refuse_unrunnable, speculative_settings
+from dsaserve.args import ServerArgs
 from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.admission import check_params, check_request, sampling_params
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.dflash_setup import (
-    block_size,
-    build_decoder,
-    context_bytes_per_token,
-    load_dflash,
-)
+from dsaserve.engine.dflash_setup import block_size, build_decoder, load_dflash
 from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
-from dsaserve.engine.kv_pool import KVPool
-from dsaserve.engine.kv_quant import kv_dtype_name, resolve_kv_dtype
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.report import report
 from dsaserve.engine.request import Req
+from dsaserve.engine.rounds import DistributedModel, RankRunner
+from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsaserve.engine.shard import Shard, build_shard
 from dsaserve.engine.speculative import SpecDecoder
-from dsaserve.engine.startup import (
-    generation_defaults,
-    layer_split,
-    load_model,
-    pick_device,
-    pick_dtype,
-    pool_bytes_per_token,
-    pool_pages,
-)
-from dsaserve.kernels.fp8_experts import expert_bytes
-from dsaserve.kernels.fp8_keep import keep_fp8_weights, rank_reports
-from dsaserve.kernels.registry import choose_kernels
-from dsaserve.layers.sampler import Sampler, SamplingState
-from dsaserve.model_config import ModelConfig
-from dsaserve.models.dsa_moe import index_cache_ids
+from dsaserve.engine.startup import default_threads, generation_defaults, pick_device
+from dsaserve.kernels.kv_quant import kv_dtype_name
+from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """With `--tp N` this is rank 0 of its attention group: it starts the node's other ranks
-    (unless given its `parallel` state) and drives them through `DistributedModel`."""
+    """The engine of one attention group, in this process. With `--tp N` it is the group's first
+    rank and `parallel` its place among ranks that are already running (runtime/ranks.py starts
+    them): it drives them through `DistributedModel`. It starts no process."""
 
     def __init__(
-        self,
-        args: ServerArgs,
-        show_progress: bool = True,
-        parallel: ParallelState | None = None,
-        rank_extra: object = None,
+        self, args: ServerArgs, parallel: ParallelState | None = None, show_progress: bool = True
     ) -> None:
         self.args = args
-        self.device = pick_device(args.device)
-        if args.threads is not None:  # default: torch's (OMP_NUM_THREADS, else the cores)
+        self.parallel = parallel or ParallelState.single()
+        if parallel is None and ParallelSizes.from_args(args).tp > 1:
+            raise ValueError(f"Engine(args) with --tp {args.tp_size}: pass the ParallelState of "
+                             "running ranks (runtime/ranks.py start_ranks; LLM and dsaserve "
+                             "serve start them)")  # fmt: skip
+        if pick_device(args.device).type == "cpu":  # default: OMP_NUM_THREADS, else the cores
+            torch.set_num_threads(default_threads(args.threads))
+        elif args.threads is not None:
             torch.set_num_threads(args.threads)
-        refuse_unrunnable(args, self.device.type)
-        self.kernels = choose_kernels(args, self.device.type)
-        spec = speculative_settings(args)
-        self.spec_steps = spec[0] if spec else 0
         self.dflash = dflash_settings(args)  # DFLASH: a separate block drafter (engine/dflash.py)
-        self._init_config()
-        self._init_ranks(parallel, rank_extra)
-        self._init_model(show_progress)
-        self._init_pool()
+        self._init_shard(build_shard(args, self.parallel, show_progress))
         self._init_runner()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
         self.generation_defaults = generation_defaults(Path(args.model_path))
@@ -95,81 +73,30 @@ class Engine:
         # disaggregation's hook: called on each finished request before its KV is released
         self.before_release: Callable[[Req], None] | None = None
         self.stats_counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0}
+        self._closed = False
 
-    def _init_config(self) -> None:
-        overrides = json.loads(self.args.json_model_override_args or "{}")
-        self.model_config = ModelConfig.from_hf(self.args.model_path, overrides)
-        self.dtype = pick_dtype(self.args.dtype, self.model_config, self.device)
-
-    def _init_ranks(self, parallel: ParallelState | None, extra: object) -> None:
-        self.ranks = None
-        if parallel is None and ParallelSizes.from_args(self.args).tp > 1:
-            from dsaserve.distributed.checks import check_parallel
-            from dsaserve.distributed.ranks import start_ranks
-
-            check_parallel(self.args, self.model_config, self.device.type)
-            if extra is None and ParallelSizes.from_args(self.args).groups > 1:
-                raise ArgsError(
-                    "--enable-dp-attention with --dp > 1 needs the server (each group has its "
-                    "own request socket); use dsaserve serve"
-                )
-            self.ranks = start_ranks(self.args, self.device.type, extra)
-            parallel = self.ranks.parallel
-        self.parallel = parallel or ParallelState.single()
-        if self.parallel.world > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-
-    def _init_model(self, show_progress: bool) -> None:
-        self.with_mtp = self.spec_steps > 0
-        if self.with_mtp and self.model_config.num_nextn_predict_layers < 1:
-            raise ArgsError(
-                f"--speculative-algorithm {self.args.speculative_algorithm}: the checkpoint "
-                f"{self.args.model_path} has no MTP (nextn) layer (num_nextn_predict_layers is 0); "
-                "drop --speculative-algorithm or use a checkpoint that ships its MTP layer"
-            )
-        self.model = load_model(self.args, self.model_config, self.dtype, self.device,
-                                self.with_mtp, self.parallel, show_progress,
-                                before_load=self._keep_fp8)  # fmt: skip
+    def _init_shard(self, shard: Shard) -> None:
+        """This rank's model and KV pool (engine/shard.py, as every follower builds its own)."""
+        self.model_config, self.device, self.dtype = shard.config, shard.device, shard.dtype
+        self.kernels, self.spec_steps = shard.kernels, shard.spec_steps
+        self.with_mtp = shard.with_mtp
+        self.model, self.pool = shard.model, shard.pool
+        self.fp8_ranks = shard.fp8_ranks  # every rank's FP8 report (FP8 checkpoints)
+        self.fp8_linears, self.fp8_experts = shard.fp8_kept.linears, shard.fp8_kept.expert_layers
         self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
-        self.drafter = None
+        self.drafter = None  # the DFLASH drafter runs on this (the group's first) rank only
         if self.dflash is not None:
             self.drafter = load_dflash(self.dflash, self.model_config, self.dtype, self.device)
-        self.fp8_ranks = []  # every rank's FP8 report (a collective, as the followers do)
-        if self.model_config.quantization == "fp8":
-            self.fp8_ranks = rank_reports(self.model, self.parallel, self.fp8_kept)
-
-    def _keep_fp8(self, model: nn.Module) -> None:
-        """Block-FP8 (128x128) checkpoints keep their Linears FP8 when a fast `fp8_gemm` runs
-        and their routed experts FP8 when the `moe` op consumes FP8, on every rank (its slice;
-        kernels/fp8_keep.py)."""
-        self.fp8_kept = keep_fp8_weights(model, self.model_config.quantization,
-                                         self.kernels.names, self.kernels,
-                                         self.args.model_path)  # fmt: skip
-        self.fp8_linears, self.fp8_experts = self.fp8_kept.linears, self.fp8_kept.expert_layers
-
-    def _init_pool(self) -> None:
-        cfg, args = self.model_config, self.args
-        mtp = self.with_mtp
-        index_layers = len(index_cache_ids(cfg, mtp))
-        stored = resolve_kv_dtype(args.kv_cache_dtype, self.dtype, self.device)
-        fp8 = stored == torch.uint8
-        self.kv_dtype = kv_dtype_name(stored)
-        draft = context_bytes_per_token(self.drafter, self.dtype) if self.drafter else 0
-        per_token = pool_bytes_per_token(cfg, mtp, stored) + draft
-        self.kv_bytes_per_token = per_token
-        page_size = args.page_size or 64
-        num_pages = pool_pages(args, cfg, mtp, stored, self.device, self.parallel, draft)
-        tokens = num_pages * page_size
-        self.pool = KVPool(cfg, num_pages, page_size, index_layers, mtp, stored, self.device,
-                           fp8=fp8, split=layer_split(args, self.parallel))  # fmt: skip
+        self.kv_dtype = kv_dtype_name(self.pool.index_cache.dtype)  # the stored form
+        self.kv_bytes_per_token = shard.kv_bytes_per_token
         if self.parallel.world > 1:
-            from dsaserve.distributed.rounds import DistributedModel, RankRunner
-
             runner = RankRunner(self.model, self.pool.kv_cache, self.pool.index_cache,
                                 self.parallel, self.device)  # fmt: skip
             self.model = DistributedModel(runner)
+        page_size = self.pool.page_size
         self.cache = self._make_cache(page_size)
-        logger.info("KV pool: %d tokens in pages of %d (%d B/token)", tokens, page_size, per_token)
+        logger.info("KV pool: %d tokens in pages of %d (%d B/token)", self.pool.num_tokens,
+                    page_size, self.kv_bytes_per_token)  # fmt: skip
 
     def _init_runner(self) -> None:
         """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
@@ -194,13 +121,13 @@ class Engine:
         config = SchedulerConfig(running, chunk, context, decode_tokens=drafts + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
-        # kernels and a cache in the compute dtype (an FP8 cache, a bf16 cache under fp32, or
-        # Triton kernels: layered).
-        plain = stored == self.dtype and set(self.kernels.names.values()) == {"torch"}
-        plain = plain and self.parallel.world == 1  # the ranks run the layered model
+        # kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an
+        # fp32, bf16 or FP8 pool; the Python fused path an fp32 one (engine/decode_step.py).
+        plain = set(self.kernels.names.values()) == {"torch"} and self.parallel.world == 1
         fused = plain and not args.disable_fused_decode
         native = not args.disable_native_decode
-        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native)
+        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native,
+                                cache_dtype=stored)  # fmt: skip
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
                                   self.graphs)  # fmt: skip
         self.spec = None
@@ -250,9 +177,8 @@ class Engine:
         """Start `req` decoding from KV computed elsewhere: `pages` hold its whole prompt and
         `first` is the token sampled after it (prefill/decode disaggregation)."""
         req.pages, req.kv_len, req.cached_tokens = list(pages), len(req.prompt_ids), 0
-        req.slots = self.scheduler._page_slots(req.pages)
+        self.scheduler.adopt(req)
         self.reqs[req.rid] = req
-        self.scheduler.running.append(req)
         self._append(req, first, logprob)
         return self._collect([req]) if req.finished or req.stream else []
 
@@ -356,7 +282,7 @@ class Engine:
         state = SamplingState(params, input_ids, self.model_config.vocab_size, [])
         detok = IncrementalDetokenizer(self.tokenizer, input_ids, [], True, False)
         req = Req("score", list(input_ids), params, state, detok)
-        if not self.scheduler._grow(req, len(input_ids)):
+        if not self.scheduler.grow(req, len(input_ids)):
             raise RuntimeError("not enough free KV to score this sequence")
         try:
             scheduled = ScheduledBatch([req], [0], [len(input_ids)])
@@ -374,22 +300,11 @@ class Engine:
         return self.model.idle() if self.parallel.world > 1 else False
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the other ranks (a STOP round; without `graceful`, end them) and wait for the
-        ones this process started."""
-        if self.parallel.world > 1 and not getattr(self, "_closed", False):
+        """Leave the rank rounds: a STOP round ends the other ranks' loops (after a failure,
+        `graceful=False`, there is none: whoever started the ranks ends them)."""
+        if self.parallel.world > 1 and graceful and not self._closed:
             self._closed = True
-            if graceful:
-                self.model.stop()
-            if self.ranks is not None:
-                self.ranks.stop(timeout=10.0 if graceful else 0.0)
-                if torch.distributed.is_initialized():  # a later Engine may start ranks again
-                    torch.distributed.destroy_process_group()
-
-    def kill_ranks(self) -> None:
-        if self.ranks is not None:
-            from dsaserve.distributed.ranks import kill_all
-
-            kill_all(self.ranks.children)
+            self.model.stop()
 
     def flush_cache(self) -> bool:
         if self.has_work():

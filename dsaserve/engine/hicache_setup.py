@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.args import ServerArgs
 from dsaserve.engine.hicache import PREFETCH_DEFAULTS, HiRadixCache, HostKVPool
 from dsaserve.engine.hicache_storage import PageCodec, StorageTier, make_backend, model_identity
 from dsaserve.engine.kv_pool import KVPool
@@ -20,10 +20,8 @@ logger = logging.getLogger(__name__)
 def build_hicache(
     args: ServerArgs, pool: KVPool, dtype: torch.dtype, with_mtp: bool
 ) -> HiRadixCache:
-    """The hierarchical cache the flags ask for."""
-    if args.disable_radix_cache:
-        raise ArgsError("--enable-hierarchical-cache needs the radix cache: drop "
-                        "--disable-radix-cache")  # fmt: skip
+    """The hierarchical cache the flags ask for (over the radix cache: args.py refuses
+    --disable-radix-cache with it)."""
     device_bytes = pool.kv_cache.nbytes + pool.index_cache.nbytes
     ratio_pages = int(pool.pages.num_pages * args.hicache_ratio)
     if args.hicache_size:

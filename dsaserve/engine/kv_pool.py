@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
+from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.model_config import ModelConfig
 
 
@@ -50,12 +50,12 @@ class KVPool:
         split: Any = None,
     ) -> None:
         """`split(layers, main_layers, slots, dim, dtype, device)` may return a stand-in for the
-        [layers, slots, entry] tensor (LayerSplit, dsaserve/distributed/layer_split.py)."""
+        [layers, slots, entry] tensor (LayerSplit, dsaserve/layers/layer_split.py)."""
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         layers = config.num_hidden_layers + int(with_mtp)
         slots = num_pages * page_size
-        # FP8: raw bytes in FlashMLA's layout (engine/kv_quant.py)
+        # FP8: raw bytes in FlashMLA's layout (kernels/kv_quant.py)
         entry, key = config.kv_entry_dim, config.index_head_dim
         if fp8:
             dtype = torch.uint8

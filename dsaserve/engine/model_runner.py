@@ -6,11 +6,12 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from dsaserve.engine.cuda_graph import CudaGraphRunner
+from dsaserve.engine.decode_rows import DecodeRows, all_decodes
 from dsaserve.engine.decode_step import DecodeStep
-from dsaserve.engine.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.kernels.registry import DEFAULT_KERNELS, Kernels
+from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch, forward_context
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 
@@ -30,38 +31,61 @@ class ModelRunner:
         self.device = device
         self.decode_step = decode_step  # the all-decode forward (dsaserve/engine/decode_step.py)
         self.graphs = graphs  # CUDA-graph decode (dsaserve/engine/cuda_graph.py), CUDA only
+        self.decode_rows = DecodeRows()  # the native step's batch, kept across steps
 
     def forward(
         self, scheduled: ScheduledBatch, all_rows: bool = False
     ) -> tuple[list[int], torch.Tensor]:
         """Run one step; return the batch indices that produced logits and those logits [R, V]
         (with `all_rows`, the logits of every computed token instead)."""
+        step = self.decode_step
+        if step is not None and step.native is not None and not all_rows and all_decodes(scheduled):
+            return list(range(len(scheduled.reqs))), self._native_decode(step, scheduled)
         batch, sampled = self.build(scheduled)
         if all_rows:
             batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
         graphs = self.graphs
         if graphs is not None and graphs.accepts(batch):
-            hidden = graphs(batch)  # installs its own static batch (with taps: final first)
-            width = self.model.config.hidden_size
-            return sampled, self.model.logits(hidden[batch.logits_rows, :width])
+            hidden = graphs(batch)  # installs its own static batch
+            return sampled, self.model.logits(hidden[batch.logits_rows])
         with forward_context(batch):
             step = self.decode_step
             if step is not None and step.accepts(batch):
-                return sampled, step.logits(step(batch)[batch.logits_rows])
+                logits = step(batch)
+                rows = batch.logits_rows
+                return sampled, logits if rows.numel() == logits.shape[0] else logits[rows]
             return sampled, self.model.forward_logits()  # one round across ranks
+
+    def _native_decode(self, step: DecodeStep, scheduled: ScheduledBatch) -> torch.Tensor:
+        """An all-decode step on the native layers, from the kept batch (engine/decode_rows.py):
+        every row's logits [T, V]."""
+        ids, positions, slots = self.decode_rows.inputs(scheduled)
+        return step.fused.decode_logits(ids, positions, slots, self.pool.kv_cache,
+                                        self.pool.index_cache, max(scheduled.starts))  # fmt: skip
 
     def run_target(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify
-        batch): its CUDA graph where one fits, else (CPU) the fused decode path when every row
-        is a decode row, else the layered model. With `taps` (the graphs were built with the
-        same), [final ‖ tapped layers] per row."""
+        batch): its CUDA graph where one fits, else the layered model. With `taps` (the graphs
+        were built with the same), [final ‖ tapped layers] per row (`join_taps`)."""
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs(batch)
-        step = self.decode_step
         with forward_context(batch):
-            if step is not None and not step.compiled and step.accepts(batch):
-                return step.tapped(taps)
             return self.model(taps) if taps else self.model()
+
+    def run_tapped(self, batch: ForwardBatch, taps: tuple[int, ...],
+                   rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A DFlash verify: (the logits [R, V] of `rows`, the tapped layers' states [T, n * H] of
+        every row). An all-decode batch runs the native layers where they are built (taps
+        copied out in the same C++ call), else `run_target`."""
+        step = self.decode_step
+        if step is not None and step.native is not None and step.accepts(batch):
+            logits, tapped = step.fused.decode_logits(batch.input_ids, batch.positions,
+                                                      batch.decode_slots, self.pool.kv_cache,
+                                                      self.pool.index_cache, taps=taps)  # fmt: skip
+            return logits[rows], tapped
+        hidden = self.run_target(batch, taps)
+        width = hidden.shape[1] // (1 + len(taps))
+        return self.model.logits(hidden[rows, :width]), hidden[:, width:]
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None

@@ -3,13 +3,13 @@ requests, KV pool and radix cache use, the kernels and FP8 weights chosen, and t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from dsaserve.engine.engine import Engine
+import torch
 
 
-def report(engine: Engine) -> dict:
+def report(engine: Any) -> dict:
+    """`engine`: an `Engine` (engine/engine.py, which calls this for its `stats()`)."""
     pool, cache = engine.pool, engine.cache
     used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
     prompt = engine.stats_counters["prompt_tokens"]
@@ -23,6 +23,8 @@ def report(engine: Engine) -> dict:
         "kv_cache_dtype": engine.kv_dtype,
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "kernel_backends": dict(engine.kernels.names),
+        "cpu_threads": torch.get_num_threads(),
+        "decode_path": decode_path(engine),
         "fp8_linears_kept": engine.fp8_linears,
         "fp8_expert_layers_kept": engine.fp8_experts,
         "routed_expert_bytes": engine.routed_expert_bytes,
@@ -34,3 +36,13 @@ def report(engine: Engine) -> dict:
         **(engine.spec.report.stats() if engine.spec is not None else {}),
         **cache.tier_stats(),
     }
+
+
+def decode_path(engine: Any) -> str:
+    """Which forward an all-decode step takes: native, python (fused), compiled or layered."""
+    step = engine.runner.decode_step
+    if step is None:
+        return "layered"
+    if step.native is not None:
+        return "native"
+    return "compiled" if step.compiled else "python"

@@ -11,7 +11,7 @@ import torch
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.io import RequestOutput, TokenLogprob
 from dsaserve.engine.radix_cache import TreeNode
-from dsaserve.layers.sampler import SamplingState
+from dsaserve.engine.sampler import SamplingState
 from dsaserve.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -52,13 +52,20 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def fill_len(self) -> int:
+        """len(fill_ids), without building the list."""
+        return len(self.prompt_ids) + len(self.sampling.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def finish(self, kind: str, matched: int | str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason = {"type": kind, "matched": matched}
-            self.pending_text += self.detok.flush()
+            tail = self.detok.flush()
+            # cut by the limit inside a character: that character was never written
+            self.pending_text += tail.rstrip("\ufffd") if kind == "length" else tail
 
     def append(
         self, token: int, logprob: TokenLogprob | None, eos_ids: list[int], context: int

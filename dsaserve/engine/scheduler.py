@@ -82,7 +82,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.order):
             if req not in self.running or self._remaining(req) != 1:
                 continue
-            while not self._grow(req, req.kv_len + self.config.decode_tokens):
+            while not self.grow(req, req.kv_len + self.config.decode_tokens):
                 victim = max(self.running, key=lambda r: r.order)
                 self.retract(victim)
                 if victim is req:
@@ -93,7 +93,7 @@ class Scheduler:
     def _schedule_chunk(self, batch: ScheduledBatch, req: Req, budget: float) -> int:
         """Schedule the next prefill chunk of `req`; return the tokens it takes."""
         n = int(min(self._remaining(req), budget))
-        if n <= 0 or not self._grow(req, req.kv_len + n):
+        if n <= 0 or not self.grow(req, req.kv_len + n):
             return 0
         self._add(batch, req, req.kv_len + n)
         return n
@@ -118,7 +118,7 @@ class Scheduler:
             req.cached_tokens = req.kv_len
         return True
 
-    def _grow(self, req: Req, tokens: int) -> bool:
+    def grow(self, req: Req, tokens: int) -> bool:
         """Give `req` pages for `tokens` tokens, evicting cached pages if needed."""
         need = math.ceil(tokens / self.pool.page_size) - len(req.pages)
         if need <= 0:
@@ -131,6 +131,11 @@ class Scheduler:
         req.pages += new
         req.slots = torch.cat([req.slots, self._page_slots(new)])
         return True
+
+    def adopt(self, req: Req) -> None:
+        """Run `req` from its `pages`, filled elsewhere (prefill/decode disaggregation)."""
+        req.slots = self._page_slots(req.pages)
+        self.running.append(req)
 
     def _page_slots(self, pages: list[int]) -> torch.Tensor:
         ps = self.pool.page_size

@@ -37,14 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine.forward_batch import forward_context
 from dsaserve.engine.io import TokenLogprob
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.request import Req
+from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.engine.spec_report import SpecCounters, SpecReport
+from dsaserve.layers.forward_batch import forward_context
 from dsaserve.layers.indexer import Selection, row_mask
-from dsaserve.layers.sampler import Sampler, SamplingState
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 Append = Callable[[Req, int, "TokenLogprob | None"], None]

@@ -41,6 +41,11 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         return future
 
+    def then(self, compiled: Future, step: Callable[[Any], Any]) -> Future:
+        """`step(grammar)` on the compile thread once `compiled` is done (it was queued first on
+        the one worker, so it is done by then); its failure fails the result too."""
+        return self._pool.submit(lambda: step(compiled.result()))
+
     def matcher(self, compiled: Any) -> Matcher:
         assert self._backend is not None  # a compile has run
         return self._backend.matcher(compiled)

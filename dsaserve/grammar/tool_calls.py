@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dsaserve.grammar.backend import GrammarError
-from dsaserve.server.parsers.tool_schema import allowed_types, is_plain_string
+from dsaserve.grammar.tool_schema import allowed_types, is_plain_string
 
 JSON_WHITESPACE = 1  # at most one whitespace character in a row inside JSON argument values
 FREE_ARGS = r"(<arg_key>[^<]{1,64}</arg_key><arg_value>[^<]*</arg_value>)*"  # non-strict tools

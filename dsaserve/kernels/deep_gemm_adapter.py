@@ -69,7 +69,7 @@ def _grouped(a: torch.Tensor, w8, w_scale, rows: torch.Tensor, grouping) -> torc
 
 
 def grouped_experts(experts, x, index, weights, layout: str = "auto") -> torch.Tensor:
-    """The `moe` op (FP8 experts, kernels/fp8_experts.py): masked (decode) or contiguous.
+    """The `moe` op (FP8 experts, layers/fp8_experts.py): masked (decode) or contiguous.
     Float experts (an unquantised checkpoint) take the Triton kernel instead."""
     gate_scale, down_scale = triton_moe.expert_scales(experts)
     if gate_scale is None:

@@ -10,7 +10,7 @@ computes the documented contract in torch, the adapter gives the reference's att
 The call: `get_mla_metadata(cache_seqlens, s_q * h_q // h_k, h_k, h_q, is_fp8_kvcache, topk)`
 then `flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, metadata,
 num_splits, softmax_scale, causal, is_fp8_kvcache, indices)` with q [B, 1, H, 576] bf16 (H
-padded to 64 / 128), k_cache [blocks, 64, 1, 656] uint8 (engine/kv_quant.py's entry is that
+padded to 64 / 128), k_cache [blocks, 64, 1, 656] uint8 (kernels/kv_quant.py's entry is that
 layout: 512 e4m3 + 4 fp32 scales + 64 bf16 rope), indices [B, 1, topk] int32 token ids into
 the flattened cache (-1: skipped), no block table. Other caches (bf16 / fp32, a pool not a
 multiple of 64 slots, a latent other than 512) run the Triton kernel.

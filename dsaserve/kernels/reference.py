@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsaserve.engine.kv_quant import KV_STORE
-from dsaserve.layers.indexer_scan import decode_scores
-from dsaserve.layers.topk import topk_earliest
-from dsaserve.models.fp8 import dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8
+from dsaserve.kernels.indexer_scan import decode_scores
+from dsaserve.kernels.kv_quant import KV_STORE
+from dsaserve.kernels.topk import topk_earliest
 
 
 def indexer_scores(
@@ -26,7 +26,7 @@ def indexer_scores(
 
 def indexer_decode_topk(q, weights, cache, slots, valid, k: int) -> torch.Tensor:
     """Top-k positions [B, k] (into slots' columns, earlier wins ties) of the decode rows: the
-    scores of `indexer_scores`, key tile by key tile (layers/indexer_scan.py)."""
+    scores of `indexer_scores`, key tile by key tile (kernels/indexer_scan.py)."""
     return topk_earliest(decode_scores(q, weights, cache, slots, valid), k)
 
 

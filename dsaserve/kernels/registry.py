@@ -10,7 +10,6 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, triton, deep_gemm |
 | `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton, deep_gemm |
 | `draft_attention` (DFlash block) | `--speculative-draft-attention-backend` | torch, triton |
-| `sampling` | (none) | torch |
 
 `torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`
 takes our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
@@ -18,7 +17,8 @@ kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` / `flash
 `flashmla_auto`: kernels/flash_mla_adapter.py) were never run on a GPU, so only an explicit flag
 takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise
 our Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`)
-resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line.
+resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line, and on
+a GPU older than sm_80 or a ROCm one so is `triton` (`auto` takes torch; kernels/gpu_target.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+from dsaserve.kernels.gpu_target import unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +49,9 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TRITON: "dsaserve.kernels.triton_sparse_mla:sparse_mla_decode",
         FLASHMLA: "dsaserve.kernels.flash_mla_adapter:sparse_mla_decode",
     },
-    "kv_store": {TORCH: "dsaserve.engine.kv_quant:KV_STORE"},
+    "kv_store": {TORCH: "dsaserve.kernels.kv_quant:KV_STORE"},
     "moe": {
-        TORCH: "dsaserve.layers.static_moe:static_experts",
+        TORCH: "dsaserve.kernels.static_moe:static_experts",
         TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:grouped_experts",
     },
@@ -60,7 +64,6 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TORCH: "dsaserve.kernels.draft_attention:draft_attention",
         TRITON: "dsaserve.kernels.triton_draft_attention:draft_attention",
     },
-    "sampling": {TORCH: "dsaserve.layers.sampler:Sampler"},
 }
 
 # SGLang names for its kernels -> the implementation of ours that stands in for them on CUDA
@@ -93,14 +96,22 @@ def load(op: str, backend: str) -> Callable:
     return getattr(importlib.import_module(module), attr)
 
 
+def gpu_refusal(device_type: str) -> str | None:
+    """Why our Triton kernels cannot run on this CUDA device (kernels/gpu_target.py), or None."""
+    return unsupported(torch.device("cuda")) if device_type == "cuda" else None
+
+
 def resolve(op: str, requested: str | None, device_type: str, flag: str) -> str:
     """The backend `op` runs with: `requested` (a flag value; None or auto = choose)."""
     impls = IMPLEMENTATIONS[op]
+    refusal = gpu_refusal(device_type)
     if requested in (None, "auto", "dsa", "nsa"):
-        if device_type == "cuda" and TRITON in impls and available(op, TRITON):
+        if device_type == "cuda" and TRITON in impls and not refusal and available(op, TRITON):
             return TRITON
         return TORCH
     name = ALIASES.get(requested, requested)
+    if name == TRITON and refusal:
+        raise BackendError(f"{flag} triton: {refusal}; use torch")
     if name in (TORCH, TRITON):
         if name == TRITON and device_type != "cuda" and not available(op, TRITON):
             raise BackendError(f"{flag} triton: needs CUDA (or TRITON_INTERPRET=1 on CPU)")
@@ -109,7 +120,7 @@ def resolve(op: str, requested: str | None, device_type: str, flag: str) -> str:
         raise BackendError(f"{flag} {requested}: a CUDA kernel; on CPU use auto or torch")
     if name in impls and available(op, name):
         return name
-    if TRITON in impls and available(op, TRITON):
+    if TRITON in impls and not refusal and available(op, TRITON):
         if name in VENDOR:
             logger.warning("%s %s: %s does not import here; using the Triton kernel", flag,
                            requested, "flash_mla" if name == FLASHMLA else name)  # fmt: skip
@@ -143,7 +154,6 @@ def choose_kernels(args: object, device_type: str) -> Kernels:
                             "--fp8-gemm-backend"),
         "draft_attention": resolve("draft_attention", get("speculative_draft_attention_backend"),
                                    device_type, "--speculative-draft-attention-backend"),
-        "sampling": TORCH,
     }  # fmt: skip
     prefill = get("dsa_prefill_backend")
     if prefill not in (None, "auto", "torch", "triton"):

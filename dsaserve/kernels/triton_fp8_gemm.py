@@ -2,8 +2,8 @@
 
 DeepSeek-V3's recipe (DeepGEMM `fp8_gemm_nt`): the activation is quantised per token and 128
 columns (`act_quant`, one fp32 scale per 1x128 group), the weight per 128x128 block. A program
-owns a BLOCK_M x 128 output tile and walks K in steps of 128: one e4m3 x e4m3 `tl.dot` into fp32
-per step, times the activation scale (per row) and the weight block's scale. Partial edge blocks
+owns a BLOCK_M x 128 output tile (kernels/triton_tile.py: one e4m3 dot per 128 of K, times both
+scales; swap-AB below 64 rows, so decode steps run on wgmma / tcgen05 too). Partial edge blocks
 are masked (zeros), as the checkpoint's partial scale blocks expect.
 """
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsaserve.kernels.triton_tile import gemm_tile, operands, tile
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -28,28 +30,17 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.squeeze(-1).contiguous()
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "KB"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB,
+    IS_FP8: tl.constexpr, SOFT_FP8: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pm = tl.program_id(0)
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     pn = tl.program_id(1)
-    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, KB):
-        ks = kb * BLOCK_K + rk
-        a = tl.load(a_ptr + rm[:, None] * K + ks[None, :],
-                    mask=(rm[:, None] < M) & (ks[None, :] < K), other=0.0)  # fmt: skip
-        w = tl.load(w_ptr + rn[:, None] * K + ks[None, :],
-                    mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)  # fmt: skip
-        a_scale = tl.load(as_ptr + rm * KB + kb, mask=rm < M, other=0.0)
-        w_scale = tl.load(ws_ptr + pn * KB + kb)
-        acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc,
-             mask=(rm[:, None] < M) & (rn[None, :] < N))  # fmt: skip
+    gemm_tile(a_ptr, as_ptr, w_ptr, ws_ptr + pn * KB, out_ptr, rm, rm, rm < M, rn, N, K, KB,
+              IS_FP8, SOFT_FP8, IEEE, SWAP, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 def fp8_gemm(a8, a_scale, w8, w_scale) -> torch.Tensor:
@@ -59,12 +50,11 @@ def fp8_gemm(a8, a_scale, w8, w_scale) -> torch.Tensor:
     out = torch.empty(m, n, dtype=torch.float32, device=a8.device)
     if m == 0:
         return out
-    block_m = 16 if m <= 16 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK))
-    _fp8_gemm_kernel[grid](
-        a8, a_scale, w8.contiguous(), w_scale.float().contiguous(), out, m, n, k,
-        triton.cdiv(k, BLOCK), BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
-    )  # fmt: skip
+    t = tile(16 if m <= 16 else 64, a8.dtype, w8.dtype, a8.device)
+    a8, w8 = operands(a8, w8.contiguous(), t)
+    grid = (triton.cdiv(m, t.BLOCK_M), triton.cdiv(n, t.BLOCK_N))
+    _fp8_gemm_kernel[grid](a8, a_scale, w8, w_scale.float().contiguous(), out, m, n, k,
+                           triton.cdiv(k, BLOCK), **t._asdict())  # fmt: skip
     return out
 
 

@@ -19,8 +19,9 @@ One kernel serves both: it reads its block's expert and row ids from memory. Row
 from the activation by assignment id // row_div (the token for gate_up, the assignment for down)
 and written at their assignment id, so the two GEMMs chain without a permute. Weights are
 block-FP8 (e4m3 [E, N, K] with fp32 [E, N/128, K/128] scales; activations quantised per token and
-128 columns, as `triton_fp8_gemm`) or float (fp32 dots, `ieee`: the interpreter's bf16 dot is
-wrong). Tests: tests/test_triton_moe.py against the torch reference under TRITON_INTERPRET=1.
+128 columns, as `triton_fp8_gemm`) or float (bf16 / fp16 on tensor cores, fp32 as IEEE dots); the
+tile, swap-AB for the 16-row decode blocks, is kernels/triton_tile.py's. Tests:
+tests/test_triton_moe.py against the torch reference under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.triton_fp8_gemm import act_quant
+from dsaserve.kernels.triton_tile import gemm_tile, operands, tile
 
 FP8 = torch.float8_e4m3fn
 BLOCK = 128  # N and K tile: one FP8 scale block
@@ -50,7 +52,7 @@ class Layout(NamedTuple):
 
 def masked_layout(index: torch.Tensor, num_experts: int, block_m: int = 16) -> Layout:
     """Per expert, its assignment ids padded to T (a multiple of block_m): no host sync.
-    Negative ids (another rank's experts, kernels/fp8_experts.py) are left out."""
+    Negative ids (another rank's experts, layers/fp8_experts.py) are left out."""
     tokens, top_k = index.shape
     flat = index.reshape(-1)
     mine = flat >= 0
@@ -93,39 +95,22 @@ def contiguous_layout(index: torch.Tensor, num_experts: int, block_m: int = 64) 
     return Layout(rows, experts, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["KB", "NB", "row_div"])
 def _grouped_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, rows_ptr, experts_ptr,
-    N, K, KB, NB, row_div,
-    IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, rows_ptr, experts_ptr, N, K, KB, NB, row_div,
+    IS_FP8: tl.constexpr, SOFT_FP8: tl.constexpr, IEEE: tl.constexpr, SWAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     nb = tl.program_id(1)
-    ms = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(rows_ptr + ms)
+    assign = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     if tl.max(assign, axis=0) >= 0:  # a block of padding only (an idle expert) reads nothing
         in_m = assign >= 0
-        arow = tl.where(in_m, assign // row_div, 0)
         expert = tl.load(experts_ptr + block).to(tl.int64)
-        rn = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert * N * K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kb in range(0, KB):
-            ks = kb * BLOCK_K + rk
-            a = tl.load(a_ptr + arow[:, None] * K + ks[None, :],
-                        mask=in_m[:, None] & (ks[None, :] < K), other=0.0)  # fmt: skip
-            w = tl.load(w_base + rn[:, None] * K + ks[None, :],
-                        mask=(rn[:, None] < N) & (ks[None, :] < K), other=0.0)  # fmt: skip
-            if IS_FP8:
-                a_scale = tl.load(as_ptr + arow * KB + kb, mask=in_m, other=0.0)
-                w_scale = tl.load(ws_ptr + expert * NB * KB + nb * KB + kb)
-                acc += tl.dot(a, tl.trans(w)) * a_scale[:, None] * w_scale
-            else:
-                acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
-                              input_precision="ieee")  # fmt: skip
-        tl.store(out_ptr + assign[:, None] * N + rn[None, :], acc,
-                 mask=in_m[:, None] & (rn[None, :] < N))  # fmt: skip
+        gemm_tile(a_ptr, as_ptr, w_ptr + expert * N * K, ws_ptr + (expert * NB + nb) * KB,
+                  out_ptr, tl.where(in_m, assign // row_div, 0), assign, in_m,
+                  nb * BLOCK_N + tl.arange(0, BLOCK_N), N, K, KB, IS_FP8, SOFT_FP8, IEEE, SWAP,
+                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
 
 
 def grouped_gemm(
@@ -142,11 +127,12 @@ def grouped_gemm(
         w_scale = w_scale.float().contiguous()
     else:
         a, a_scale, w_scale = a.contiguous(), a, w  # the scale pointers go unused
-    grid = (layout.experts.shape[0], triton.cdiv(n, BLOCK))
+    t = tile(layout.block_m, a.dtype, w.dtype, a.device)
+    a, w = operands(a, w.contiguous(), t)
+    grid = (layout.experts.shape[0], triton.cdiv(n, t.BLOCK_N))
     _grouped_kernel[grid](
-        a, a_scale, w.contiguous(), w_scale, out, layout.rows, layout.experts,
-        n, k, triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK), row_div,
-        IS_FP8=fp8, BLOCK_M=layout.block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
+        a, a_scale, w, w_scale, out, layout.rows, layout.experts,
+        n, k, triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK), row_div, **t._asdict(),
     )  # fmt: skip
     return out
 

@@ -1,79 +1,96 @@
-"""Triton: sparse MLA decode in the absorbed form, straight from the pool's slots.
+"""Triton: sparse MLA decode in the absorbed form, on tensor cores, straight from the pool's slots.
 
 Every head of a decode row scores the shared cache entries [latent c (R) | rope k_pe (P)] with
 its absorbed query [q_lat (R) | q_pe (P)], softmax over the row's allowed entries (its top-k
 selection, or its whole context), and returns the attended latent [H, R] (W_UV is applied by the
-caller). One program per (row, 16 heads, split of the entries): it walks its split in blocks of
-BLOCK_N with an online softmax, two fp32 `tl.dot`s per block for the scores and one for the
-output, and leaves its unnormalised partial output with its running max and denominator; a few
-tensor ops merge the splits (flash-decoding). The splits keep a batch-1 step with 8 heads a rank
-from running on one SM: about TARGET_PROGRAMS programs, each over at least BLOCK_N entries.
-Entries are read through the slot table from a float cache or FlashMLA's FP8 layout (e4m3 latent
-with one fp32 scale per 128 values, then the bf16 rope; engine/kv_quant.py). Slots of disallowed
-entries are never used, so -1 (FlashMLA's invalid index) or padding is fine there.
+caller). FlashMLA's structure: a program owns one row's block of BLOCK_H heads (the M of every
+dot) and one split of its entries, walked BLOCK_N entries (the N) at a time with an online
+softmax. Per block: S = q_lat . c^T + q_pe . k_pe^T (the 512-wide latent is the K of the first
+dot), then acc += P . c with the same entries as the K. The dots run in the query's 16-bit dtype
+with fp32 accumulation (mma.sync for a 16-head tile, wgmma / tcgen05 for 64 heads); an fp32 query
+or cache keeps IEEE fp32 dots (the exact path of fp32 engines and the CPU tests). FP8 entries
+(FlashMLA's layout: e4m3 latent, one fp32 scale per 128 values, then the bf16 rope;
+kernels/kv_quant.py) are dequantised per 128-group in registers before the dots.
+
+Each program leaves its unnormalised partial output with its running max and denominator, and a
+few tensor ops merge the splits (flash-decoding): about TARGET_PROGRAMS programs, so a batch-1
+step with 8 heads a rank does not run on one SM. Slots of disallowed entries are never read, so
+-1 (FlashMLA's invalid index) or padding is fine there.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from dsaserve.engine.kv_quant import group_size, is_fp8
+from dsaserve.kernels.gpu_target import fp8_in_hardware, has_wgmma
+from dsaserve.kernels.kv_quant import group_size, is_fp8
+from dsaserve.kernels.triton_support import load_e4m3
 
-BLOCK_N = 16
-BLOCK_H = 16
 TARGET_PROGRAMS = 256
+DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
+def _latent(cache_ptr, scale_ptr, slot, ok, cache_stride, scale_stride, scale_offset,
+            R: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr, GROUP: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """The latents [BLOCK_N, BLOCK_R] of the entries at `slot` (fp32; 0 where not ok)."""
+    rs = tl.arange(0, BLOCK_R)
+    kmask = ok[:, None] & (rs[None, :] < R)
+    ptrs = cache_ptr + slot[:, None] * cache_stride + rs[None, :]
+    if FP8:
+        k = load_e4m3(ptrs, kmask, SOFT_FP8)
+        gs = tl.arange(0, BLOCK_R // GROUP)
+        scale = tl.load(scale_ptr + slot[:, None] * scale_stride + scale_offset + gs[None, :],
+                        mask=ok[:, None] & (gs[None, :] < R // GROUP), other=0.0)  # fmt: skip
+        k = tl.reshape(k, (BLOCK_N, BLOCK_R // GROUP, GROUP)) * scale[:, :, None]
+        return tl.reshape(k, (BLOCK_N, BLOCK_R))
+    return tl.load(ptrs, mask=kmask, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["H", "L", "SPLIT_LEN", "NUM_SPLITS"])
 def _sparse_mla_kernel(
     q_ptr, cache_ptr, scale_ptr, rope_ptr, slots_ptr, allowed_ptr, out_ptr, max_ptr, denom_ptr,
-    H, L, R, P, sm_scale, cache_stride, scale_stride, scale_offset, rope_stride, rope_offset,
+    H, L, sm_scale, cache_stride, scale_stride, scale_offset, rope_stride, rope_offset,
     SPLIT_LEN, NUM_SPLITS,
-    FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    R: tl.constexpr, P: tl.constexpr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr,
+    GROUP: tl.constexpr, DOT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hs = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)  # a row's head blocks side by side
+    b = tl.program_id(1)
     split = tl.program_id(2)
-    begin = split * SPLIT_LEN
     rs = tl.arange(0, BLOCK_R)
     ps = tl.arange(0, BLOCK_P)
     in_h = hs < H
-    qrow = q_ptr + b * H * (R + P) + hs[:, None] * (R + P)
+    qrow = q_ptr + (b * H + hs[:, None]) * (R + P)
     q_lat = tl.load(qrow + rs[None, :], mask=in_h[:, None] & (rs[None, :] < R), other=0.0)
     q_pe = tl.load(qrow + R + ps[None, :], mask=in_h[:, None] & (ps[None, :] < P), other=0.0)
-    q_lat = q_lat.to(tl.float32)
-    q_pe = q_pe.to(tl.float32)
+    q_lat, q_pe = q_lat.to(DOT), q_pe.to(DOT)
     m = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     denom = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    begin = split * SPLIT_LEN
     for start in range(begin, begin + SPLIT_LEN, BLOCK_N):
         ns = start + tl.arange(0, BLOCK_N)
         ok = tl.load(allowed_ptr + b * L + ns, mask=ns < L, other=0) != 0
         slot = tl.load(slots_ptr + b * L + ns, mask=ok, other=0).to(tl.int64)
-        kmask = ok[:, None] & (rs[None, :] < R)
-        pmask = ok[:, None] & (ps[None, :] < P)
-        if FP8:
-            raw = tl.load(cache_ptr + slot[:, None] * cache_stride + rs[None, :], mask=kmask,
-                          other=0)  # fmt: skip
-            scale = tl.load(scale_ptr + slot[:, None] * scale_stride + scale_offset
-                            + rs[None, :] // GROUP, mask=kmask, other=0.0)  # fmt: skip
-            k_lat = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        else:
-            k_lat = tl.load(cache_ptr + slot[:, None] * cache_stride + rs[None, :], mask=kmask,
-                            other=0.0).to(tl.float32)  # fmt: skip
+        k_lat = _latent(cache_ptr, scale_ptr, slot, ok, cache_stride, scale_stride, scale_offset,
+                        R, FP8, SOFT_FP8, GROUP, BLOCK_N, BLOCK_R).to(DOT)  # fmt: skip
         k_pe = tl.load(rope_ptr + slot[:, None] * rope_stride + rope_offset + ps[None, :],
-                       mask=pmask, other=0.0).to(tl.float32)  # fmt: skip
+                       mask=ok[:, None] & (ps[None, :] < P), other=0.0).to(DOT)  # fmt: skip
         s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")  # [BH, BN]
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
         s = tl.where(ok[None, :], s * sm_scale, -1e30)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.where(ok[None, :], tl.exp(s - m_new[:, None]), 0.0)
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k_lat, input_precision="ieee")
+        acc = tl.dot(p.to(DOT), k_lat, acc * alpha[:, None], input_precision="ieee")
         m = m_new
     part = (b * NUM_SPLITS + split) * H + hs  # [BH] rows of the [B, S, H] partials
     tl.store(out_ptr + part[:, None] * R + rs[None, :], acc,
@@ -82,11 +99,35 @@ def _sparse_mla_kernel(
     tl.store(denom_ptr + part, denom, mask=in_h)
 
 
-def splits(rows: int, heads: int, length: int) -> tuple[int, int]:
-    """(entries per split, splits): about TARGET_PROGRAMS programs, BLOCK_N entries at least."""
-    blocks = max(triton.cdiv(length, BLOCK_N), 1)
-    want = max(TARGET_PROGRAMS // max(rows * triton.cdiv(heads, BLOCK_H), 1), 1)
-    split_len = triton.cdiv(blocks, min(want, blocks)) * BLOCK_N
+class Tile(NamedTuple):
+    """The launch's tile: heads a program (the dots' M), entries a step (N), the dot dtype."""
+
+    block_h: int
+    block_n: int
+    dot: tl.dtype
+    num_warps: int
+    num_stages: int
+
+
+def tile(heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> Tile:
+    """16-bit dots (tensor cores) for a 16-bit query over a 16-bit or FP8 cache: 16 heads a
+    program (mma.sync), or 64 (wgmma on sm_90, tcgen05 on sm_100: M = 64 at least) over a 16-bit
+    cache when the row has that many heads (an FP8 cache's dequantised tile passes through
+    registers, and at 64 heads that spills). An fp32 query or cache: IEEE fp32 dots, whose FMA
+    operands sit in registers: fewer entries a step."""
+    if q_dtype not in DOT_DTYPES or cache_dtype == torch.float32:
+        return Tile(16, 16, tl.float32, 4, 3)
+    dot = DOT_DTYPES[q_dtype]
+    if heads >= 64 and cache_dtype != torch.uint8 and has_wgmma(device):
+        return Tile(64, 16, dot, 8, 2)
+    return Tile(16, 32, dot, 8, 3)
+
+
+def splits(rows: int, head_blocks: int, length: int, block_n: int) -> tuple[int, int]:
+    """(entries per split, splits): about TARGET_PROGRAMS programs, block_n entries at least."""
+    blocks = max(triton.cdiv(length, block_n), 1)
+    want = max(TARGET_PROGRAMS // max(rows * head_blocks, 1), 1)
+    split_len = triton.cdiv(blocks, min(want, blocks)) * block_n
     return split_len, max(triton.cdiv(length, split_len), 1)
 
 
@@ -104,11 +145,12 @@ def sparse_mla_decode(q, cache, slots, allowed, rank: int, scale: float) -> torc
     length = slots.shape[1]
     if b == 0:
         return q.new_empty(0, h, rank)
-    split_len, num_splits = splits(b, h, length)
+    fp8 = is_fp8(cache)
+    block_h, block_n, dot, num_warps, num_stages = tile(h, q.dtype, cache.dtype, q.device)
+    split_len, num_splits = splits(b, triton.cdiv(h, block_h), length, block_n)
     acc = torch.empty(b, num_splits, h, rank, dtype=torch.float32, device=q.device)
     maxes = torch.empty(b, num_splits, h, dtype=torch.float32, device=q.device)
     denoms = torch.empty_like(maxes)
-    fp8 = is_fp8(cache)
     if fp8:  # the same bytes seen as fp32 (scales) and bf16 (rope)
         scales, ropes = cache.view(torch.float32), cache.view(torch.bfloat16)
         groups = rank // group_size(rank)
@@ -116,13 +158,14 @@ def sparse_mla_decode(q, cache, slots, allowed, rank: int, scale: float) -> torc
     else:
         scales, ropes = cache, cache
         geometry = (0, 0, cache.stride(0), rank)
-    grid = (b, triton.cdiv(h, BLOCK_H), num_splits)
+    grid = (triton.cdiv(h, block_h), b, num_splits)  # a row's head blocks share L2
     _sparse_mla_kernel[grid](
         q.contiguous(), cache, scales, ropes, slots.contiguous(),
-        allowed.to(torch.int8).contiguous(), acc, maxes, denoms, h, length, rank, rope, scale,
+        allowed.to(torch.int8).contiguous(), acc, maxes, denoms, h, length, scale,
         cache.stride(0), *geometry, split_len, num_splits,
-        FP8=fp8, GROUP=group_size(rank), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
+        R=rank, P=rope, FP8=fp8, SOFT_FP8=fp8 and not fp8_in_hardware(q.device),
+        GROUP=group_size(rank), DOT=dot, BLOCK_H=block_h, BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return merge_splits(acc, maxes, denoms).to(q.dtype)

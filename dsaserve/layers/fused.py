@@ -28,13 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
-from dsaserve.kernels import cpu_decode
+from dsaserve.layers import cpu_decode
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection
+from dsaserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
-from dsaserve.layers.taps import join_taps
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class LayerWeights(NamedTuple):
@@ -65,17 +66,21 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     attn: MLAttention = layer.self_attn
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
     experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
-    if ffn is None or (experts is not None and experts.down_proj.dtype != torch.float32):
-        return None  # FP8 experts (kernels/fp8_experts.py) run the `moe` op, layered
+    if ffn is None or (experts is not None and experts.down_proj.dtype not in NATIVE_DTYPES):
+        return None  # FP8 experts (layers/fp8_experts.py) run the `moe` op, layered
     into = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
     from_q = [attn.q_b_proj]
     if attn.indexer is not None:
         into += [attn.indexer.wk, attn.indexer.weights_proj]
         from_q.append(attn.indexer.wq_b)
     linears = [*into, *from_q, attn.o_proj, ffn.gate_proj, ffn.up_proj, ffn.down_proj]
-    # fp32 only: in bf16 the layered path's roundings (norms upcast, rotary per product) are
-    # what the bf16 path-agreement bounds of docs/determinism.md were measured on.
-    if not _plain(*linears) or {m.weight.dtype for m in linears} != {torch.float32}:
+    # fp32 or bf16, one dtype: the Python path runs fp32 only (in bf16 the layered path's
+    # roundings are what docs/determinism.md's bf16 bounds were measured on); the native layers
+    # read bf16 weights too, with fp32 activations.
+    dtypes = {m.weight.dtype for m in linears}
+    if experts is not None:
+        dtypes.add(experts.down_proj.dtype)
+    if not _plain(*linears) or len(dtypes) != 1 or not dtypes <= set(NATIVE_DTYPES):
         return None
     w_in = torch.cat([m.weight for m in into])
     biases = [m.bias for m in into]
@@ -138,23 +143,36 @@ def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.T
 
 
 class FusedDecode:
-    """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable."""
+    """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable.
+
+    Two forms: the native layers (layers/cpu_decode.py: embedding to logits in one C++ call,
+    fp32 or bf16 weights, an fp32, bf16 or FP8 pool), and the Python layers below (fp32 weights
+    and pool only: the reference, and what `--enable-torch-compile` traces)."""
 
     def __init__(self, model: nn.Module, weights: list[LayerWeights], native=None) -> None:
         self.model = model
         self.weights = weights
         self.indexer_interleave = model.config.indexer_rope_interleave
-        self.native = native  # kernels/cpu_decode.py's DecodeLayers, or None: the Python layers
-        self._segments: dict[tuple[int, ...], list | None] = {}  # taps -> native layer runs
+        self.native = native  # layers/cpu_decode.py's DecodeLayers, or None: the Python layers
+        self.python = weights[0].w_in.dtype == torch.float32
+        self._rotary = (torch.zeros(0, 1), torch.zeros(0, 1))  # cos, sin [positions, rope / 2]
 
     @classmethod
-    def build(cls, model: nn.Module, native: bool = False) -> FusedDecode | None:
+    def build(cls, model: nn.Module, native: bool = False,
+              cache_dtype: torch.dtype = torch.float32) -> FusedDecode | None:  # fmt: skip
+        """None where neither form runs: the native one takes fp32 / bf16 weights and an fp32,
+        bf16 or FP8 (uint8) pool; the Python one fp32 weights and an fp32 pool."""
         layers = model.model.layers[: model.config.num_hidden_layers]
         weights = [_fused_weights(layer) for layer in layers]
         if any(w is None for w in weights):
             return None
         on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
-        return cls(model, weights, cpu_decode.build(layers, weights) if native and on_cpu else None)
+        python = weights[0].w_in.dtype == torch.float32 and cache_dtype == torch.float32
+        stored = cache_dtype in (torch.float32, torch.bfloat16, torch.uint8)
+        built = cpu_decode.build(model, layers, weights) if native and on_cpu and stored else None
+        if built is None and not python:
+            return None
+        return cls(model, weights, built)
 
     @staticmethod
     def accepts(batch: ForwardBatch) -> bool:
@@ -163,61 +181,44 @@ class FusedDecode:
         return not batch.extends and rows == batch.input_ids.shape[0] and rows > 0
 
     @torch.inference_mode()
-    def forward(self, taps: tuple[int, ...] = ()) -> torch.Tensor:
-        """Final normed hidden states [T, H]; with `taps` (a DFlash drafter's target layers),
-        [final ‖ those layers' outputs], as `DsaMoeForCausalLM.forward(taps)`."""
+    def forward(self) -> torch.Tensor:
+        """The logits [T, V] of every row of the installed (all-decode) batch."""
         batch = current_batch()
+        if self.native is not None:
+            return self.decode_logits(batch.input_ids, batch.positions, batch.decode_slots,
+                                      batch.kv_cache, batch.index_cache)  # fmt: skip
         model = self.model
         x = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
-        last = len(self.weights) - 1
-        segments = self._native_segments(taps)
-        if segments is not None:
-            outputs = {}
-            for end, run in segments:  # consecutive layer runs, each ending at a tap (or last)
-                x = run.forward(x, cos.contiguous(), sin.contiguous(), batch.kv_cache,
-                                batch.index_cache, batch.decode_slots, batch.decode_valid,
-                                batch.out_slots)  # fmt: skip
-                outputs[end] = x
-            norm = model.model.norm
-            final = cpu_decode.extension().rms_norm(x, norm.weight, norm.eps)
-            return join_taps(final, outputs, taps, last)
         rot = rotation(cos, sin, interleave=True)
         rot_index = rot if self.indexer_interleave else rotation(cos, sin, interleave=False)
-        selection, outputs = None, {}
-        for i, (layer, weights) in enumerate(zip(model.model.layers, self.weights)):
+        selection = None
+        for layer, weights in zip(model.model.layers, self.weights):
             x, selection = self._layer(layer, weights, x, (rot, rot_index), selection)
-            if i in taps:
-                outputs[i] = x
         norm = model.model.norm
-        return join_taps(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps), outputs,
-                         taps, last)  # fmt: skip
+        return self.model.logits(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps))
 
-    def _native_segments(self, taps: tuple[int, ...]) -> list | None:
-        """[(last layer, native run)] covering every layer, split after each tap; None for the
-        Python layers: no native build, or a split before a layer that reuses the previous
-        layer's indexer selection (a native run starts with none)."""
-        if self.native is None:
-            return None
-        if taps not in self._segments:
-            layers = self.model.model.layers[: len(self.weights)]
-            ends = sorted({*(t for t in taps if t < len(self.weights) - 1), len(self.weights) - 1})
-            starts = [0, *(e + 1 for e in ends[:-1])]
-            splittable = all(layers[s].self_attn.indexer is not None for s in starts[1:])
-            self._segments[taps] = [
-                (e, self.native if (s, e) == (0, len(self.weights) - 1) else
-                 cpu_decode.build(list(layers[s : e + 1]), self.weights[s : e + 1]))
-                for s, e in zip(starts, ends)
-            ] if splittable else None  # fmt: skip
-        return self._segments[taps]
+    def decode_logits(self, ids, positions, slots, kv_cache, index_cache,
+                      last: int | None = None, taps: tuple[int, ...] = ()):  # fmt: skip
+        """The native step: row t (token ids[t] at position p = positions[t]) writes its entry
+        at slots[t, p] and attends slots[t, :p + 1]; returns fp32 logits [T, V]. `last`: the
+        largest position, where the caller knows it. With `taps` (a DFlash drafter's target
+        layers), (logits, [T, len(taps) * H] those layers' outputs, the last layer's after the
+        final norm, as `join_taps`)."""
+        cos, sin = self.rotary_tables((int(positions.max()) if last is None else last) + 1)
+        hidden = self.model.config.hidden_size
+        tapped = torch.empty(ids.shape[0], len(taps) * hidden) if taps else cpu_decode.NONE
+        logits = self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
+                                     cos, sin, list(taps), tapped)  # fmt: skip
+        return (logits, tapped) if taps else logits
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits of `hidden` (the LM head as a native small-batch linear)."""
-        head = self.model.lm_head
-        one_rank = self.model.parallel.world == 1  # (the engine uses this path on one rank only)
-        if self.native is None or not one_rank or head.weight.dtype != torch.float32:
-            return self.model.logits(hidden)
-        return cpu_decode.extension().linear(hidden, head.weight)
+    def rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos / sin [n, rope / 2] for positions 0..n-1 (n >= positions), grown by doubling."""
+        if self._rotary[0].shape[0] < positions:
+            n = max(positions, 2 * self._rotary[0].shape[0], 1024)
+            cos, sin = self.model.rotary.cos_sin(torch.arange(n), torch.float32)
+            self._rotary = (cos.contiguous(), sin.contiguous())
+        return self._rotary
 
     def _layer(self, layer, weights: LayerWeights, x, rots, shared: Selection | None):
         ln = layer.input_layernorm

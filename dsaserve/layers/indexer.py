@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch
-from dsaserve.engine.kv_quant import KV_STORE
-from dsaserve.layers.indexer_scan import causal_topk
+from dsaserve.kernels.indexer_scan import causal_topk
+from dsaserve.kernels.kv_quant import KV_STORE
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.distributed.context_parallel import context_parallel
-from dsaserve.distributed.layer_split import fetch_layer
-from dsaserve.distributed.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.forward_batch import ForwardBatch, current_batch, gather_rows
-from dsaserve.engine.kv_quant import KV_STORE
+from dsaserve.kernels.kv_quant import KV_STORE
 from dsaserve.kernels.reference import softmax_attend
+from dsaserve.layers.context_parallel import context_parallel
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection, row_blocks
+from dsaserve.layers.layer_split import fetch_layer
+from dsaserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import apply_rotary
 from dsaserve.model_config import ModelConfig

@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.distributed.linear import (
+from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.layers.linear import (
     ColumnParallelLinear,
     ExpertShard,
     RowParallelLinear,
     Shard,
     set_shard,
 )
-from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.model_config import ModelConfig
 
 FEW = 16  # routing assignments (tokens x top-k) up to which they are grouped in Python

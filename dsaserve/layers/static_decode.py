@@ -13,7 +13,7 @@ one part swapped:
   Whether the indexer runs at all is decided by the slot table's width (a Python int), so a
   context bucket above `index_topk` always runs it: a row shorter than index_topk then selects
   its whole context plus masked picks, which is what dense attention computes.
-- the routed experts run the `moe` op (torch: `static_experts`, layers/static_moe.py; triton:
+- the routed experts run the `moe` op (torch: `static_experts`, kernels/static_moe.py; triton:
   `grouped_experts`, kernels/triton_moe.py) instead of `Experts.forward`, whose grouping is
   done on the host.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsaserve.engine.forward_batch import current_batch
+from dsaserve.layers.forward_batch import current_batch
 from dsaserve.layers.moe import MoE
 from dsaserve.layers.taps import join_taps
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsaserve.distributed.linear import ExpertShard, Shard
-from dsaserve.models.fp8 import dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import dequantize_block_fp8
+from dsaserve.layers.linear import ExpertShard, Shard
 
 Index = tuple[slice, ...]
 ReadScale = Callable[[Index], torch.Tensor]

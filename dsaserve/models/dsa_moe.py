@@ -12,10 +12,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from dsaserve.distributed.linear import ParallelLMHead, VocabParallelEmbedding
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.forward_batch import current_batch
+from dsaserve.layers.forward_batch import current_batch
 from dsaserve.layers.indexer import Selection
+from dsaserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
 from dsaserve.layers.norm import RMSNorm

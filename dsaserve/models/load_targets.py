@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dsaserve.kernels.block_fp8 import SCALE_SUFFIX
 from dsaserve.models.checkpoint_files import CheckpointError
-from dsaserve.models.fp8 import FUSED_EXPERTS_RE, SCALE_SUFFIX
+from dsaserve.models.fp8 import FUSED_EXPERTS_RE
 
 FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -25,7 +26,7 @@ class Target:
     dtype: torch.dtype
     filled: bool = False
     pieces: set[tuple[int, str]] = field(default_factory=set)
-    shard: object = None  # a distributed.linear Shard / ExpertShard: this rank's slice
+    shard: object = None  # a layers/linear.py Shard / ExpertShard: this rank's slice
 
     def shard_dim(self, ndim: int) -> int:
         """The checkpoint dim the shard splits (pieces are joined along it)."""

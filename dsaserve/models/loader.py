@@ -7,7 +7,7 @@ so loading is a lookup. Two translations happen on the way:
   fused `...mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj` [E, H, I];
   a fused checkpoint is taken as is;
 - block-FP8 tensors (with a sibling `<name>_scale_inv`) are dequantised on CPU, unless the
-  model holds that tensor FP8 (kernels/fp8_linear.py, kernels/fp8_experts.py): then the bytes
+  model holds that tensor FP8 (layers/fp8_linear.py, layers/fp8_experts.py): then the bytes
   and the scales are copied as stored (per-expert scales into the fused `*_scale_inv` grid),
   under tensor / expert parallelism only this rank's slice of each (the scale parameter carries
   the weight's shard, so its pieces are the blocks covering the weight's).
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from dsaserve.kernels.block_fp8 import SCALE_SUFFIX, dequantize_block_fp8
 from dsaserve.models.checkpoint_files import (
     CheckpointError,
     find_checkpoint_files,
@@ -36,7 +37,6 @@ from dsaserve.models.checkpoint_files import (
     tensor_locations,
 )
 from dsaserve.models.checkpoint_slices import Index, pad_to, read_piece, shard_pieces
-from dsaserve.models.fp8 import SCALE_SUFFIX, dequantize_block_fp8
 from dsaserve.models.load_targets import (
     FP8_DTYPES,
     Target,
@@ -112,11 +112,11 @@ class _Loader:
         # Why: dequantising on the target's device (a GPU when there is one) is much faster.
         device = (target or fused).tensor.device
         device = device if device.type != "meta" else None
-        raw = target is not None and target.dtype in FP8_DTYPES  # kept FP8 (kernels/fp8_linear)
+        raw = target is not None and target.dtype in FP8_DTYPES  # kept FP8 (layers/fp8_linear)
         if target is not None:
             tensor = self._read_target(name, handle, file, device, target, raw)
             self._place_whole(name, target, tensor)
-        elif fused.dtype in FP8_DTYPES:  # experts kept FP8 (kernels/fp8_experts)
+        elif fused.dtype in FP8_DTYPES:  # experts kept FP8 (layers/fp8_experts)
             self._place_fp8_expert(name, handle, file, expert, fused)
         else:
             pieces = self._expert_pieces(handle, name, fused, expert)
@@ -125,7 +125,7 @@ class _Loader:
 
     def _place_fp8_expert(self, name, handle, file: Path, expert, target: Target) -> None:
         """This rank's rows / columns of one expert's e4m3 weight and the matching blocks of
-        its scale, as stored, into the fused tensors (kernels/fp8_experts.py)."""
+        its scale, as stored, into the fused tensors (layers/fp8_experts.py)."""
         scale_name = name + SCALE_SUFFIX
         dtype = handle.get_slice(name).get_dtype()
         if dtype not in ("F8_E4M3", "F8_E5M2") or scale_name not in self.locations:

@@ -16,19 +16,21 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from dsaserve import __version__
-from dsaserve.distributed.controller import dp_metrics_text, load_report
 from dsaserve.server.anthropic import serving as anthropic
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.console import add_console_routes
+from dsaserve.server.dp_controller import dp_metrics_text, load_report
 from dsaserve.server.errors import APIError
-from dsaserve.server.openai import serving_chat, serving_completions
+from dsaserve.server.openai import serving_chat, serving_completions, serving_responses
 from dsaserve.server.openai.protocol import (
     AbortIn,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequestIn,
 )
+from dsaserve.server.openai.responses_protocol import ResponsesRequest
+from dsaserve.server.openai.responses_store import ResponseStore
 from dsaserve.server.openapi import build_openapi, operation_extra
 from dsaserve.server.state import ServerState
 from dsaserve.server.validation import check_content_type
@@ -36,6 +38,7 @@ from dsaserve.server.validation import check_content_type
 logger = logging.getLogger("dsaserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+ERROR_APIS = (("/v1/messages", "anthropic"), ("/v1/responses", "responses"))
 
 Handler = Callable[..., Awaitable[Any]]
 
@@ -51,14 +54,16 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     if state.body_decoder is None:
         state.body_decoder = BodyDecoder(use_processes=False)
+    if state.response_store is None:
+        state.response_store = ResponseStore(state.args.responses_store_size)
     bodies: list[type[BaseModel]] = []
 
-    def route(path: str, methods: list[str], anthropic_errors: bool = False, gate: bool = True,
+    def route(path: str, methods: list[str], errors: str = "openai", gate: bool = True,
               body: type[BaseModel] | None = None,
               response_class: type = JSONResponse):  # fmt: skip
         def register(handler: Handler) -> Handler:
             async def endpoint(request: Request) -> Any:
-                return await _guarded(state, request, handler, anthropic_errors, gate, body)
+                return await _guarded(state, request, handler, errors, gate, body)
 
             if body is not None and body not in bodies:
                 bodies.append(body)
@@ -81,7 +86,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _add_generation_routes(route: Callable) -> None:
-    """The inference routes: OpenAI, native and Anthropic."""
+    """The inference routes: OpenAI (chat, completions, responses), native and Anthropic."""
 
     @route("/v1/chat/completions", ["POST"], body=ChatCompletionRequest)
     async def chat(state: ServerState, request: Request, body: ChatCompletionRequest) -> Any:
@@ -95,11 +100,23 @@ def _add_generation_routes(route: Callable) -> None:
     async def generate(state: ServerState, request: Request, body: GenerateRequestIn) -> Any:
         return await serving_completions.generate(state, body, request)
 
-    @route("/v1/messages", ["POST"], anthropic_errors=True, body=MessagesRequest)
+    @route("/v1/responses", ["POST"], errors="responses", body=ResponsesRequest)
+    async def responses(state: ServerState, request: Request, body: ResponsesRequest) -> Any:
+        return await serving_responses.create(state, body, request)
+
+    @route("/v1/responses/{response_id}", ["GET"], errors="responses")
+    async def get_response(state: ServerState, request: Request) -> Any:
+        return serving_responses.retrieve(state, request.path_params["response_id"])
+
+    @route("/v1/responses/{response_id}", ["DELETE"], errors="responses")
+    async def delete_response(state: ServerState, request: Request) -> Any:
+        return serving_responses.delete(state, request.path_params["response_id"])
+
+    @route("/v1/messages", ["POST"], errors="anthropic", body=MessagesRequest)
     async def messages(state: ServerState, request: Request, body: MessagesRequest) -> Any:
         return await anthropic.messages(state, body, request)
 
-    @route("/v1/messages/count_tokens", ["POST"], anthropic_errors=True, body=CountTokensRequest)
+    @route("/v1/messages/count_tokens", ["POST"], errors="anthropic", body=CountTokensRequest)
     async def count_tokens(state: ServerState, request: Request, body: CountTokensRequest) -> Any:
         return await anthropic.count_tokens(state, body)
 
@@ -177,7 +194,7 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
 
 
 async def _guarded(
-    state: ServerState, request: Request, handler: Handler, anthropic_errors: bool, gate: bool,
+    state: ServerState, request: Request, handler: Handler, errors: str, gate: bool,
     body: type[BaseModel] | None,
 ) -> Any:  # fmt: skip
     try:
@@ -189,11 +206,10 @@ async def _guarded(
             return await handler(state, request)
         return await handler(state, request, body=await _parse(state, request, body))
     except APIError as e:
-        return e.anthropic_response() if anthropic_errors else e.openai_response()
+        return e.response_in(errors)
     except Exception:
         logger.exception("internal error on %s", request.url.path)
-        error = APIError(500, "internal server error")
-        return error.anthropic_response() if anthropic_errors else error.openai_response()
+        return APIError(500, "internal server error").response_in(errors)
 
 
 async def _parse(state: ServerState, request: Request, model: type[BaseModel]) -> Any:
@@ -208,10 +224,9 @@ async def _http_error(request: Request, error: Exception) -> Response:
     status = error.status_code if isinstance(error, HTTPException) else 500
     detail = error.detail if isinstance(error, HTTPException) else "internal server error"
     answer = APIError(status, f"{request.method} {request.url.path[:100]}: {detail}")
-    if request.url.path.startswith("/v1/messages"):
-        response = answer.anthropic_response()
-    else:
-        response = answer.openai_response()
+    path = request.url.path
+    api = next((api for prefix, api in ERROR_APIS if path.startswith(prefix)), "openai")
+    response = answer.response_in(api)
     response.headers.update(getattr(error, "headers", None) or {})  # 405: Allow
     return response
 

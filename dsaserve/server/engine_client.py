@@ -18,7 +18,8 @@ import zmq
 import zmq.asyncio
 
 from dsaserve.engine.io import GenerateRequest, RequestOutput
-from dsaserve.server import ipc
+from dsaserve.runtime import ipc
+from dsaserve.sampling_params import GRAMMAR_FIELDS
 from dsaserve.server.errors import APIError
 
 WATCH_INTERVAL_S = 0.2
@@ -75,7 +76,7 @@ class EngineClient:
             data = ipc.encode(ipc.Submit(requests))
         except (OverflowError, TypeError, ValueError) as e:  # values the IPC cannot carry
             raise APIError(400, f"the request cannot be sent to the engine: {e}"[:200]) from e
-        streams = [self._register(rid) for rid in rids]
+        streams = [self._register(r.rid, _structured(r)) for r in requests]
         try:
             self._send_bytes(data)
         except BaseException:
@@ -86,10 +87,10 @@ class EngineClient:
             raise
         return streams
 
-    def _register(self, rid: str) -> RequestStream:
+    def _register(self, rid: str, structured: bool = False) -> RequestStream:
         self.queues[rid] = asyncio.Queue()
         if self.metrics is not None:
-            self.metrics.on_submit(rid)
+            self.metrics.on_submit(rid, structured)
         return RequestStream(self, rid, self.queues[rid])
 
     def forget(self, rid: str, queue: asyncio.Queue) -> None:
@@ -210,6 +211,11 @@ class EngineClient:
                 future.set_exception(error)
         if not self.ready.done():
             self.ready.set_exception(error)
+
+
+def _structured(request: GenerateRequest) -> bool:
+    """Whether a grammar constrains this request (SGLang's `num_so_requests` counts those)."""
+    return any(request.sampling.get(name) is not None for name in GRAMMAR_FIELDS)
 
 
 def _error_or(output: RequestOutput) -> RequestOutput | APIError:

@@ -1,4 +1,5 @@
-"""API errors: one exception type, rendered in OpenAI's or Anthropic's envelope.
+"""API errors: one exception type, rendered in the envelope of the route's API: OpenAI chat's,
+the Responses API's (OpenAI's error types, `code` a string or null), or Anthropic's.
 
 User input errors are 400 with the offending field named in `param`; bodies stay small (messages
 are truncated, inputs are never echoed back in full).
@@ -20,6 +21,7 @@ ANTHROPIC_TYPES = {
     405: "invalid_request_error", 413: "request_too_large", 415: "invalid_request_error",
     422: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
 }  # fmt: skip
+RESPONSES_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
@@ -48,15 +50,26 @@ class APIError(Exception):
         code = self.code or self.status
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
 
+    def responses_body(self) -> dict:
+        kind = RESPONSES_TYPES.get(self.status, "invalid_request_error")
+        code = self.code if isinstance(self.code, str) else None
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": code}}
+
     def anthropic_body(self) -> dict:
         kind = ANTHROPIC_TYPES.get(self.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def openai_response(self) -> JSONResponse:
-        return JSONResponse(self.openai_body(), self.status, headers=self.headers())
+        return self.response_in("openai")
 
     def anthropic_response(self) -> JSONResponse:
-        return JSONResponse(self.anthropic_body(), self.status, headers=self.headers())
+        return self.response_in("anthropic")
+
+    def response_in(self, api: str) -> JSONResponse:
+        """The error answer in `api`'s envelope: "openai", "responses" or "anthropic"."""
+        body = {"openai": self.openai_body, "responses": self.responses_body,
+                "anthropic": self.anthropic_body}[api]()  # fmt: skip
+        return JSONResponse(body, self.status, headers=self.headers())
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

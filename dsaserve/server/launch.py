@@ -18,13 +18,15 @@ from typing import Any
 
 import uvicorn
 
-from dsaserve.args import ArgsError, ServerArgs, speculative_settings
-from dsaserve.engine.dflash_setup import check_drafter
-from dsaserve.server import ipc
+from dsaserve import process_tree
+from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.runtime import ipc
+from dsaserve.runtime.node import serve_node
+from dsaserve.runtime.preflight import preflight
 from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
+from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.engine_process import run_engine_process
 from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
@@ -40,42 +42,22 @@ logger = logging.getLogger("dsaserve.server")
 ENGINE_STOP_TIMEOUT_S = 10.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
+    """`dsaserve serve`. `engine_factory` builds what the engine process drives (its
+    EngineFactory, runtime/engine_process.py; picklable): by default the engine in its
+    --disaggregation-mode role; a test passes its own double."""
     try:
         args = ServerArgs.from_cli(argv)
-        speculative_settings(args)  # e.g. EAGLE3 (parsed as SGLang's): refused before starting
-        check_drafter(args)  # DFLASH: its flags, and a drafter that does not fit the target
-        check_layout(args)
+        for note in preflight(args):  # every flag, once, before any process starts
+            print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
         if args.node_rank > 0:
-            from dsaserve.distributed.node import serve_node
-
             return serve_node(args)
         tokenizer = load_tokenizer(args)
     except (ArgsError, ParserConfigError) as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
-    return asyncio.run(serve(args, tokenizer))
-
-
-def check_layout(args: ServerArgs) -> None:
-    """Refuse a parallel layout that cannot work before any process starts (one line)."""
-    sizes = (args.tp_size, args.dp_size, args.ep_size, args.nnodes)
-    if sizes == (1, 1, 1, 1) and not args.enable_dp_attention:
-        return
-    from dsaserve.distributed.checks import check_parallel, moe_backend_note
-    from dsaserve.engine.startup import pick_device
-    from dsaserve.model_config import ConfigError, ModelConfig
-
-    device = pick_device(args.device).type
-    try:
-        config = ModelConfig.from_hf(args.model_path)
-    except ConfigError as e:
-        raise ArgsError(str(e)) from None
-    check_parallel(args, config, device)
-    note = moe_backend_note(args, device)
-    if note:
-        print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
+    return asyncio.run(serve(args, tokenizer, engine_factory))
 
 
 def load_tokenizer(args: ServerArgs) -> Any:
@@ -127,16 +109,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-async def serve(args: ServerArgs, tokenizer: Any) -> int:
+async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) -> int:
     paths = ipc.IpcPaths.fresh()
     groups = args.dp_size if args.enable_dp_attention else 1
     if groups > 1:
-        from dsaserve.distributed.controller import DPEngineClient
-
         engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
     else:
         engine = EngineClient(paths)
-    process = start_engine(args, paths)
+    process = start_engine(args, paths, engine_factory)
     engine.start(process)
     state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder())
     state.body_decoder.start()
@@ -155,7 +135,7 @@ async def serve(args: ServerArgs, tokenizer: Any) -> int:
     finally:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
-        await stop_engine(engine, process)
+        await stop_engine(engine, process, started=bool(state.engine_info))
         state.body_decoder.close()
         paths.cleanup(groups)
     return code
@@ -165,14 +145,20 @@ async def _become_ready(
     server: DrainingServer, serving: asyncio.Task, state: ServerState, tokenizer: Any
 ) -> int:
     engine: EngineClient = state.engine
+    ready = asyncio.ensure_future(engine.wait_ready())
+    await asyncio.wait([ready, serving], return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # a signal (or a failed HTTP start) while the engine was starting
+        ready.cancel()
+        print("dsaserve serve: stopped during start-up", file=sys.stderr, flush=True)
+        return 1
     try:
-        info = await engine.wait_ready()
+        info = ready.result()
     except Exception as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
         return 1
     state.engine_info = info
     state.tokenizer_manager = TokenizerManager(state.args, tokenizer, info)
-    state.metrics = Metrics(state.tokenizer_manager.model_name)
+    state.metrics = Metrics(state.tokenizer_manager.model_name, state.args.hicache_storage_backend)
     engine.metrics = state.metrics
     while not server.started and not serving.done():
         await asyncio.sleep(0.02)
@@ -186,25 +172,40 @@ async def _become_ready(
     return 0
 
 
-def start_engine(args: ServerArgs, paths: ipc.IpcPaths) -> multiprocessing.process.BaseProcess:
+def start_engine(
+    args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None
+) -> multiprocessing.process.BaseProcess:
+    """Spawn the engine process. Its code is imported here, for the spawn: the API process never
+    runs a model."""
+    from dsaserve.disaggregation.roles import serving_engine
+    from dsaserve.runtime.engine_process import run_engine_process
+
     context = multiprocessing.get_context("spawn")
     process = context.Process(
-        target=run_engine_process, args=(args, paths, os.getpid()), name="dsaserve-engine"
-    )
+        target=run_engine_process, args=(args, paths, os.getpid(), factory or serving_engine),
+        name="dsaserve-engine",
+    )  # fmt: skip
     process.start()
     return process
 
 
-async def stop_engine(engine: EngineClient, process: multiprocessing.process.BaseProcess) -> None:
-    """Ask the engine to stop; terminate, then kill, if it does not."""
+async def stop_engine(
+    engine: EngineClient, process: multiprocessing.process.BaseProcess, started: bool = True
+) -> None:
+    """Ask the engine to stop; terminate, then kill, if it does not. An engine still starting
+    has nothing to drain: it is terminated at once (it stops its build, if any), and whatever it
+    leaves running (ranks, a compiler) is killed with it."""
     await engine.shutdown()
-    deadline = time.monotonic() + ENGINE_STOP_TIMEOUT_S
+    deadline = time.monotonic() + (ENGINE_STOP_TIMEOUT_S if started else 0.0)
     while process.is_alive() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    tree = process_tree.descendants(process.pid) if process.pid else []
     if process.is_alive():
         process.terminate()
-        process.join(3)
+        await asyncio.to_thread(process.join, 3)
     if process.is_alive():
+        tree = process_tree.descendants(process.pid)
         process.kill()
         process.join(3)
+    process_tree.kill_all(tree)
     engine.close()

@@ -1,7 +1,9 @@
 """Prometheus metrics (`/metrics`, with `--enable-metrics`), under SGLang's metric names so
-existing dashboards work: TTFT, inter-token latency, end-to-end latency, token counters,
-throughput, running/queued requests, KV usage, cache hit rate, speculative accept length, and
-HiCache's per-tier hits, bytes moved and load time (cumulative, from the engine's stats)."""
+existing dashboards work: TTFT, inter-token latency, end-to-end latency, token counters, aborted
+and structured-output requests, cached prompt tokens by source, throughput, running/queued
+requests, KV usage, cache hit rate, speculative accept length, and HiCache's per-tier hits, bytes
+moved and load time (cumulative, from the engine's stats). Names, types and labels as SGLang's
+`observability/metrics_collector.py` declares them."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from dsaserve.engine.io import RequestOutput
 
@@ -19,7 +22,7 @@ THROUGHPUT_WINDOW_S = 10.0
 class Metrics:
     """Request-level observations from the API process plus engine gauges at scrape time."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, storage_backend: str | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -35,6 +38,12 @@ class Metrics:
         )
         self.requests = Counter("sglang:num_requests", "Finished requests by finish reason",
                                 labels + ["finish_reason"], registry=r)  # fmt: skip
+        self.aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.",
+                               labels, registry=r)  # fmt: skip
+        self.so_requests = Counter("sglang:num_so_requests", "Number of structured output "
+                                   "requests processed.", labels, registry=r)  # fmt: skip
+        self.cached_tokens = CachedTokens(model_name, storage_backend)
+        r.register(self.cached_tokens)
         gauges = {
             "num_running_reqs": "Running requests", "num_queue_reqs": "Queued requests",
             "token_usage": "KV cache usage (0-1)", "cache_hit_rate": "Prefix cache hit rate",
@@ -47,6 +56,7 @@ class Metrics:
         self.model = model_name
         self.started: dict[str, float] = {}
         self.cancelled: set[str] = set()  # rids the client gave up on: their abort is theirs
+        self.structured: set[str] = set()  # rids sampled under a grammar
         self.last_seen: dict[str, float] = {}
         self.recent_tokens: deque[tuple[float, int]] = deque()
 
@@ -78,14 +88,17 @@ class Metrics:
         total = stats["hicache_host_total_tokens"] or 1
         self.hicache_host_usage.labels(m).set(stats.get("hicache_host_used_tokens", 0) / total)
 
-    def on_submit(self, rid: str) -> None:
+    def on_submit(self, rid: str, structured: bool = False) -> None:
         self.started[rid] = time.monotonic()
+        if structured:
+            self.structured.add(rid)
 
     def forget(self, rid: str) -> None:
         """Drop a request's bookkeeping (finished, or rejected at admission: never ran)."""
         self.started.pop(rid, None)
         self.last_seen.pop(rid, None)
         self.cancelled.discard(rid)
+        self.structured.discard(rid)
 
     def on_client_cancel(self, rids: list[str]) -> None:
         """The client gave up on these (it disconnected, or aborted its own rid): their abort
@@ -118,6 +131,10 @@ class Metrics:
         if reason == "abort" and output.rid in self.cancelled:
             reason = "client_cancel"
         self.requests.labels(self.model, reason).inc()
+        if reason in ("abort", "client_cancel"):
+            self.aborted.labels(self.model).inc()
+        if output.rid in self.structured:
+            self.so_requests.labels(self.model).inc()
         self.forget(output.rid)
 
     def render(self, stats: dict) -> bytes:
@@ -135,6 +152,7 @@ class Metrics:
         for name, value in values.items():
             self.gauges[name].labels(self.model).set(float(value))
         self._render_hicache(stats)
+        self.cached_tokens.stats = stats
         return generate_latest(self.registry)
 
     def _throughput(self) -> float:
@@ -142,3 +160,30 @@ class Metrics:
         while self.recent_tokens and self.recent_tokens[0][0] < cutoff:
             self.recent_tokens.popleft()
         return sum(n for _, n in self.recent_tokens) / THROUGHPUT_WINDOW_S
+
+
+class CachedTokens:
+    """`sglang:cached_tokens_total{cache_source}`: prompt tokens served from a cache, by where
+    they came from (`device`, `host`, `storage_<backend>`, SGLang's labels), from the engine's
+    cumulative counters: its radix-cache hits, or with HiCache its per-tier hits."""
+
+    def __init__(self, model_name: str, storage_backend: str | None) -> None:
+        self.model = model_name
+        self.storage = f"storage_{storage_backend}" if storage_backend else None
+        self.stats: dict = {}
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily("sglang:cached_tokens", "Number of cached prompt tokens by "
+                                     "source (device/host/storage).",
+                                     labels=["model_name", "cache_source"])  # fmt: skip
+        stats = self.stats
+        if "hicache_device_hit_tokens" in stats:
+            sources = {"device": stats["hicache_device_hit_tokens"],
+                       "host": stats.get("hicache_host_hit_tokens", 0)}  # fmt: skip
+            if self.storage is not None:
+                sources[self.storage] = stats.get("hicache_storage_hit_tokens", 0)
+        else:
+            sources = {"device": stats.get("cached_tokens", 0)}
+        for source, value in sources.items():
+            family.add_metric([self.model, source], float(value))
+        return [family]

@@ -1,4 +1,5 @@
-"""What the routes share: the flags, the tokenizer manager, the engine client, the metrics."""
+"""What the routes share: the flags, the tokenizer manager, the engine client, the metrics,
+the stored responses."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class ServerState:
     engine: Any = None
     metrics: Any = None
     body_decoder: Any = None
+    response_store: Any = None  # /v1/responses `store: true` (openai/responses_store.py)
     ready: bool = False
     draining: bool = False
     engine_info: dict = field(default_factory=dict)

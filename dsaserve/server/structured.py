@@ -3,9 +3,10 @@
 Chat: OpenAI `response_format` (`json_object`, `json_schema`), SGLang's `regex` / `ebnf` /
 `json_schema`, and tool-call grammars for `tool_choice` "required" or a named tool and for tools
 marked `strict` (in the model's own format, see `dsaserve.grammar.tool_calls`). When the prompt
-opens reasoning (`<think>`), the grammar starts after `</think>`: thinking stays free and the
-answer in `content` is constrained. `/generate` and `/v1/completions` take `regex`, `ebnf` and
-`json_schema` as given, from the first token.
+opens reasoning (`<think>`) and a reasoning parser splits it off, the grammar starts after
+`</think>`: thinking stays free (but cannot end the answer, nor end anywhere the parser and the
+grammar would disagree on) and the answer in `content` is constrained. `/generate` and
+`/v1/completions` take `regex`, `ebnf` and `json_schema` as given, from the first token.
 
 Every grammar is built once here by the backend without a tokenizer (milliseconds), so a schema
 it cannot compile is a 400 naming the field before the engine sees the request.
@@ -21,6 +22,8 @@ from dsaserve.grammar import tool_calls
 from dsaserve.grammar.backend import GrammarChecker, GrammarError, make_checker
 from dsaserve.sampling_params import GRAMMAR_FIELDS
 from dsaserve.server.errors import bad_request
+from dsaserve.server.parsers.reasoning import THINK_END
+from dsaserve.server.parsers.registry import REASONING_PARSERS
 
 JSON_OBJECT = '{"type": "object"}'
 SCHEMA_PARAM = "response_format.json_schema.schema"
@@ -34,10 +37,10 @@ class StructuredOutput:
         self.think_end = vocab.get("</think>")
         self._checker: GrammarChecker | None = None  # imported on first use
 
-    def chat_fields(
-        self, req: Any, tools: list[dict], tool_choice: Any, parser: str | None, prompt: str
-    ) -> dict:
-        """Sampling fields for a chat request (`req`: ChatCompletionRequest)."""
+    def chat_fields(self, req: Any, tools: list[dict], tool_choice: Any, parser: str | None,
+                    prompt: str, reasoning: str | None = None) -> dict:  # fmt: skip
+        """Sampling fields for a chat request (`req`: ChatCompletionRequest); `parser` and
+        `reasoning` name its tool-call and reasoning parsers."""
         found = [*_response_format(req), *_sglang_fields(req)]
         calls = self._tool_grammar(req, tools, tool_choice, parser)
         if calls is not None and found:
@@ -52,8 +55,15 @@ class StructuredOutput:
             raise bad_request(f"{found[1][1]} cannot be combined with {found[0][1]}", found[1][1])
         (kind, source), param = found[0][0], found[0][1]
         self.check(kind, source, param)
-        thinking = prompt.rstrip().endswith("<think>") and self.think_end is not None
-        return {kind: source, "grammar_after_token_id": self.think_end if thinking else None}
+        # The grammar starts after thinking only where a reasoning parser takes the thinking
+        # out of the content (without one, all of the output is the answer); thinking then ends
+        # only at `</think>` for both (see dsaserve.grammar.thinking).
+        thinks = prompt.rstrip().endswith("<think>") and self.think_end is not None
+        if not thinks or reasoning not in REASONING_PARSERS:
+            return {kind: source, "grammar_after_token_id": None}
+        exits = [THINK_END, *REASONING_PARSERS[reasoning].exits]
+        return {kind: source, "grammar_after_token_id": self.think_end,
+                "grammar_think_exits": exits}  # fmt: skip
 
     def native_fields(self, fields: dict, prefix: str = "") -> dict:
         """`/generate` sampling_params or completion fields: JSON-schema objects become text."""

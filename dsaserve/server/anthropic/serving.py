@@ -92,8 +92,10 @@ def _message(state: ServerState, choice: ChatChoice, usage: dict, model: str, ms
     if parsed.content:
         content.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
+        if choice.finish_reason == "length" and _arguments(call.arguments) is None:
+            continue  # cut by max_tokens: left out (an input nobody wrote would be run)
         content.append({"type": "tool_use", "id": call.id, "name": call.name,
-                        "input": _arguments(call.arguments)})  # fmt: skip
+                        "input": _arguments(call.arguments) or {}})  # fmt: skip
     reason, sequence = stop_reason(choice)
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model,
@@ -102,12 +104,13 @@ def _message(state: ServerState, choice: ChatChoice, usage: dict, model: str, ms
     }  # fmt: skip
 
 
-def _arguments(text: str) -> dict:
+def _arguments(text: str) -> dict | None:
+    """The call's input, None when its arguments are not a JSON object (cut, or malformed)."""
     try:
         value = json.loads(text)
     except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _sse(kind: str, data: dict) -> str:

@@ -54,7 +54,8 @@ def prepare_chat(
     if count_only:
         max_tokens = max_tokens or 1
     else:
-        fields.update(tm.structured.chat_fields(req, tools, tool_choice, tm.tool_parser, prompt))
+        fields.update(tm.structured.chat_fields(req, tools, tool_choice, tm.tool_parser, prompt,
+                                                tm.reasoning_parser))  # fmt: skip
         max_tokens = tm.fit_max_tokens(len(input_ids), max_tokens, param)
     sampling = tm.sampling(fields, max_tokens)
     return PreparedChat(

@@ -65,7 +65,7 @@ class ChatOutputParser:
         events = self.reasoning.finish(finish_type) if self.reasoning else []
         out = self._after_reasoning(events)
         if self.tools:
-            out += self._tidy(self.tools.finish())
+            out += self._tidy(self.tools.finish(finish_type))
         self.pending_space = ""
         return merge_events(out)
 

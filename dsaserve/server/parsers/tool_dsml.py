@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dsaserve.grammar.tool_schema import allowed_types, convert_value, is_plain_string
 from dsaserve.server.parsers.events import (
     Content,
     Event,
@@ -34,7 +35,6 @@ from dsaserve.server.parsers.events import (
     held_suffix,
 )
 from dsaserve.server.parsers.tool_glm47 import _escape, new_call_id, tool_properties
-from dsaserve.server.parsers.tool_schema import allowed_types, convert_value, is_plain_string
 
 DSML = "｜DSML｜"
 TAG_STARTS = (f"<{DSML}", f"</{DSML}")
@@ -95,9 +95,17 @@ class DsmlToolParser:
             pass
         return events
 
-    def finish(self) -> list[Event]:
+    def finish(self, finish_type: str | None = None) -> list[Event]:
+        """Close what is open; a call cut by the length limit (`finish_type` "length") is left
+        as generated (as in the glm47 parser)."""
         events: list[Event] = []
         rest, self.buffer = self.buffer, ""
+        if finish_type == "length":  # cut: what was written, no tag cut short, nothing closed
+            if not rest.startswith(TAG_STARTS) and DSML[:2] not in rest:
+                self._text(events, rest)
+            self._reset_call()
+            self.state, self.in_section = "text", False
+            return events
         if rest.startswith(TAG_STARTS):
             self._on_tag(events, parse_tag(rest))  # a tag cut off before its `>`
         elif DSML[:2] not in rest:

@@ -5,7 +5,8 @@ calls concatenated, `<tool_call>NAME</tool_call>` for no arguments. Streaming em
 (as soon as it is complete) with an id `call_…`, then JSON text fragments of the arguments:
 strings as they arrive, other values when their `</arg_value>` closes. The fragments of one call
 concatenate to `json.dumps(arguments, ensure_ascii=False)` exactly. Calls to undeclared tools are
-dropped; stray markup never reaches the content; an unterminated call is closed at the end.
+dropped; stray markup never reaches the content; an unterminated call is closed at the end,
+unless the length limit cut it: then it stays as cut (see `finish`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import uuid
 from collections.abc import Callable
 
+from dsaserve.grammar.tool_schema import allowed_types, convert_value, is_plain_string
 from dsaserve.server.parsers.events import (
     Content,
     Event,
@@ -22,7 +24,6 @@ from dsaserve.server.parsers.events import (
     find_first,
     held_suffix,
 )
-from dsaserve.server.parsers.tool_schema import allowed_types, convert_value, is_plain_string
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 KEY_START, KEY_END = "<arg_key>", "</arg_key>"
@@ -69,10 +70,22 @@ class Glm47ToolParser:
             pass
         return events
 
-    def finish(self) -> list[Event]:
+    def finish(self, finish_type: str | None = None) -> list[Event]:
+        """Close what is open; a call cut by the length limit (`finish_type` "length") is left
+        as generated: its arguments end where the output ended, never completed with values
+        nobody wrote (a call whose name was cut is left out)."""
         events: list[Event] = []
-        getattr(self, f"_finish_{self.state}")(events, self.buffer)
+        cut = finish_type == "length"
+        if cut and self.state == "text":  # a tag cut short is not text
+            keep = held_suffix(self.buffer, MARKUP)
+            self._content(events, self.buffer[: len(self.buffer) - keep])
+        elif cut and self.state == "value" and self._streams_string():
+            keep = held_suffix(self.buffer, (VALUE_END,))
+            self._args(events, _escape(self.buffer[: len(self.buffer) - keep]))
+        elif not cut:
+            getattr(self, f"_finish_{self.state}")(events, self.buffer)
         self.buffer, self.state = "", "text"
+        self._reset_call()
         return events
 
     # ---- steps: consume what is decided; return True to run again in the new state

@@ -1,0 +1,211 @@
+"""Lock-step model ops across ranks: every rank calls `round()` the same number of times.
+
+One round: every rank all-gathers a 5-int header (the group leaders put their pending op, its
+rows, its buffer sizes and, for FORWARD_LOGITS, its logits rows; other ranks zeros). One op kind
+is chosen (the first pending one, scanning from a group that rotates every round, so no group
+starves); every group that wants that kind runs it, its leader broadcasting the inputs
+(`payload`) to its attention-TP group; all other groups join with no tokens, so the MoE/MLP and
+LM-head collectives, which span every rank, always match. A round where nobody has work is a
+heartbeat. STOP ends every rank's loop.
+
+`DistributedModel` is the leader's stand-in for the model (same calls as DsaMoeForCausalLM), so
+the engine, the speculative decoder and the sampler run unchanged on rank 0 of each group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.engine.round_payload import Op, OpInputs, empty, pack, unpack
+from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
+from dsaserve.layers.indexer import Selection
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM
+
+
+class Stopped(Exception):
+    """A STOP round ran: every rank leaves its loop."""
+
+
+class RankRunner:
+    """Runs rounds on one rank over its model shard and its own KV pool tensors."""
+
+    def __init__(self, model: DsaMoeForCausalLM, kv_cache: torch.Tensor,
+                 index_cache: torch.Tensor, parallel: ParallelState,
+                 device: torch.device) -> None:  # fmt: skip
+        self.model = model
+        self.kv_cache, self.index_cache = kv_cache, index_cache
+        self.parallel = parallel
+        self.device = device
+        # the hidden states' dtype (the payload's float buffer): the compute dtype, which a
+        # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.rounds = 0
+        self.others_busy = False
+        self.stopped = False
+        self.sync_seconds = 0.0  # headers and payload broadcasts (bench/parallel.py)
+
+    def round(self, mine: OpInputs | None) -> tuple[bool, Any]:
+        """One round; (whether `mine` ran, its result). `mine` is None for a follower or an
+        idle leader."""
+        p, sizes = self.parallel, self.parallel.sizes
+        buffers = pack(mine) if mine is not None else None
+        header = torch.zeros(5, dtype=torch.long)
+        if mine is not None:
+            header[:] = torch.tensor([int(mine.op), mine.rows, buffers[0].numel(),
+                                      buffers[1].numel(), mine.logits_rows])  # fmt: skip
+        table = self._gather_headers(header)
+        leaders = [table[sizes.leader(g)] for g in range(sizes.groups)]
+        ops = [int(row[0]) for row in leaders]
+        self.rounds += 1
+        if Op.STOP in ops:
+            self.stopped = True
+            raise Stopped
+        chosen = self._choose(ops)
+        own_op = ops[p.dp_rank]
+        self.others_busy = any(op != Op.IDLE for g, op in enumerate(ops) if g != p.dp_rank)
+        if chosen == Op.IDLE:
+            return False, None
+        rows = [int(row[1]) if op == chosen else 0 for row, op in zip(leaders, ops)]
+        logits_rows = [int(row[4]) if op == chosen else 0 for row, op in zip(leaders, ops)]
+        runs = own_op == chosen
+        inputs = self._inputs(chosen, runs, mine, buffers, leaders[p.dp_rank])
+        with p.rows(rows):
+            result = self._execute(inputs, logits_rows)
+        return runs and mine is not None, result
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0, 0]))
+
+    def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        if self.parallel.world_shm is not None:
+            parts = self.parallel.world_shm.all_gather(header)
+        else:
+            parts = [torch.empty_like(header) for _ in range(self.parallel.world)]
+            torch.distributed.all_gather(parts, header, group=self.parallel.cpu_group)
+        self.sync_seconds += time.perf_counter() - start
+        return parts
+
+    def _choose(self, ops: list[int]) -> Op:
+        groups = len(ops)
+        for k in range(groups):
+            op = ops[(self.rounds + k) % groups]
+            if op != Op.IDLE:
+                return Op(op)
+        return Op.IDLE
+
+    def _inputs(self, op: Op, runs: bool, mine, buffers, leader_row) -> OpInputs:
+        p = self.parallel
+        if not runs:
+            hidden = self.model.config.hidden_size
+            return empty(op, hidden, self.dtype, self.kv_cache, self.index_cache,
+                         self.device)  # fmt: skip
+        if p.attn_tp == 1:
+            return mine
+        if mine is not None:
+            ints, floats = buffers
+        else:
+            ints = torch.empty(int(leader_row[2]), dtype=torch.long)
+            floats = torch.empty(int(leader_row[3]), dtype=self.dtype)
+        start = time.perf_counter()
+        self._broadcast(ints)
+        if floats.numel():
+            self._broadcast(floats)
+        self.sync_seconds += time.perf_counter() - start
+        if mine is not None:
+            return mine
+        return unpack(op, ints, floats, self.kv_cache, self.index_cache, self.device)
+
+    def _broadcast(self, x: torch.Tensor) -> None:
+        """The group leader's x to its attention group."""
+        p = self.parallel
+        if p.attn_shm is not None:
+            p.attn_shm.broadcast(x, 0)
+        else:
+            torch.distributed.broadcast(x, p.sizes.leader(p.dp_rank), group=p.attn_cpu_group)
+
+    def _execute(self, inputs: OpInputs, logits_rows: list[int]) -> Any:
+        model = self.model
+        if inputs.op == Op.LOGITS:
+            return model.logits(inputs.hidden)
+        if inputs.op == Op.EMBED:
+            return model.embed(inputs.hidden)
+        with _installed(inputs.batch):
+            if inputs.op == Op.FORWARD:
+                return model(inputs.taps)
+            if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
+                hidden = model()
+                with self.parallel.rows(logits_rows):
+                    return model.logits(hidden[inputs.batch.logits_rows])
+            return model.forward_mtp(inputs.hidden, inputs.reuse)
+
+    def follow(self) -> None:
+        """A non-leader rank's loop: join every round until STOP."""
+        try:
+            while True:
+                self.round(None)
+        except Stopped:
+            return
+
+
+def _installed(batch):
+    """Install `batch`, replacing the leader's own installed batch while another op runs."""
+    try:
+        current_batch()
+    except RuntimeError:
+        return forward_context(batch)
+    return swapped_batch(batch)
+
+
+class DistributedModel:
+    """The group leader's model: each call becomes this group's op in the rank rounds."""
+
+    def __init__(self, runner: RankRunner) -> None:
+        self.runner = runner
+        self.model = runner.model
+        self.config = runner.model.config
+        self.with_mtp = runner.model.with_mtp
+
+    @property
+    def mtp(self):
+        return self.model.mtp
+
+    def _run(self, inputs: OpInputs) -> Any:
+        while True:
+            ran, result = self.runner.round(inputs)
+            if ran:
+                return result
+
+    def __call__(self, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        return self._run(OpInputs(Op.FORWARD, batch=current_batch(), taps=taps))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of `input_ids` (vocab-parallel: a round of its own)."""
+        return self._run(OpInputs(Op.EMBED, hidden=input_ids))
+
+    def forward_logits(self) -> torch.Tensor:
+        """The installed batch's forward and the logits of its `logits_rows`, in one round
+        (the FORWARD and LOGITS rounds' headers and payloads, once)."""
+        return self._run(OpInputs(Op.FORWARD_LOGITS, batch=current_batch()))
+
+    def forward_mtp(
+        self, hidden: torch.Tensor, reuse: Selection | None = None
+    ) -> tuple[torch.Tensor, Selection]:
+        return self._run(OpInputs(Op.MTP, batch=current_batch(), hidden=hidden, reuse=reuse))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._run(OpInputs(Op.LOGITS, hidden=hidden))
+
+    def idle(self) -> bool:
+        """One heartbeat round (joining any other group's op); True if another group is busy."""
+        self.runner.round(None)
+        return self.runner.others_busy
+
+    def stop(self) -> None:
+        self.runner.stop()

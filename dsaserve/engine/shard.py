@@ -1,0 +1,139 @@
+"""One rank's shard: its device, its slice of the model (FP8 kept where a kernel runs it) and its
+KV pool. Every rank builds it with `build_shard`: the leader's `Engine` and each follower rank
+(runtime/follower.py) alike, so their model slices and pool layouts agree by construction (the
+pool's page count is agreed over the ranks: the smallest wins)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch import nn
+
+from dsaserve.args import ServerArgs, speculative_settings
+from dsaserve.dflash_args import dflash_settings
+from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.engine.dflash_setup import context_bytes_per_token
+from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.startup import pick_device, pick_dtype, tokens_from_memory
+from dsaserve.kernels.kv_quant import resolve_kv_dtype
+from dsaserve.kernels.registry import Kernels, choose_kernels
+from dsaserve.layers.layer_split import split_kv_cache
+from dsaserve.model_config import ModelConfig
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
+from dsaserve.models.fp8_keep import KeptFp8, RankReport, keep_fp8_weights, rank_reports
+from dsaserve.models.loader import load_checkpoint
+
+
+@dataclass
+class Shard:
+    """What `build_shard` gives a rank: the choices it made and what it loaded."""
+
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype  # the compute dtype
+    kernels: Kernels
+    spec_steps: int  # MTP draft steps (0: no speculation, no MTP layer loaded)
+    model: DsaMoeForCausalLM
+    pool: KVPool
+    kv_bytes_per_token: int
+    fp8_kept: KeptFp8 = field(default_factory=KeptFp8)
+    fp8_ranks: list[RankReport] = field(default_factory=list)  # every rank's, FP8 checkpoints
+
+    @property
+    def with_mtp(self) -> bool:
+        return self.spec_steps > 0
+
+
+def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool = True) -> Shard:
+    """This rank's shard. With more than one rank it is a collective (the FP8 reports and the
+    pool's page count are gathered): every rank of the layout calls it once, in step."""
+    device = rank_device(args.device, parallel)
+    config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
+    dtype = pick_dtype(args.dtype, config, device)
+    kernels = choose_kernels(args, device.type)
+    spec = speculative_settings(args)
+    steps = spec[0] if spec else 0
+    kept = KeptFp8()
+
+    def keep_fp8(model: nn.Module) -> None:  # this rank's slice kept FP8 (kernels/registry.py)
+        nonlocal kept
+        kept = keep_fp8_weights(model, config.quantization, kernels.names, kernels,
+                                args.model_path)  # fmt: skip
+
+    model = load_model(args, config, dtype, device, steps > 0, parallel, show_progress,
+                       before_load=keep_fp8)  # fmt: skip
+    reports = rank_reports(model, parallel, kept) if config.quantization == "fp8" else []
+    pool, per_token = build_pool(args, config, steps > 0, dtype, device, parallel)
+    return Shard(config, device, dtype, kernels, steps, model, pool, per_token, kept, reports)
+
+
+def rank_device(name: str, parallel: ParallelState) -> torch.device:
+    """--device, and with several CUDA ranks this rank's GPU (set when it joined)."""
+    device = pick_device(name)
+    if parallel.world > 1 and device.type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def build_pool(args: ServerArgs, config: ModelConfig, with_mtp: bool, dtype: torch.dtype,
+               device: torch.device, parallel: ParallelState) -> tuple[KVPool, int]:  # fmt: skip
+    """The KV pool (and its bytes per token): its storage dtype from --kv-cache-dtype, its
+    pages from --max-total-tokens or the memory, agreed over the ranks. A token also takes a
+    DFLASH drafter's context entry (engine/dflash_draft.py), beside the pool."""
+    stored = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)
+    dflash = dflash_settings(args)
+    extra = context_bytes_per_token(dflash, dtype) if dflash is not None else 0
+    pages = pool_pages(args, config, with_mtp, stored, device, parallel, extra)
+    index_layers = len(index_cache_ids(config, with_mtp))
+    pool = KVPool(config, pages, args.page_size or 64, index_layers, with_mtp, stored, device,
+                  fp8=stored == torch.uint8, split=layer_split(args, parallel))  # fmt: skip
+    return pool, pool_bytes_per_token(config, with_mtp, stored) + extra
+
+
+def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+               with_mtp: bool, parallel: ParallelState, show_progress: bool = True,
+               before_load: Callable[[nn.Module], object] | None = None,
+               ) -> DsaMoeForCausalLM:  # fmt: skip
+    """This rank's model (all of it in a single process), loaded and on `device`;
+    `before_load` may swap modules first (FP8 Linears kept FP8)."""
+    with torch.device("meta"):
+        model = DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+    if before_load is not None:
+        before_load(model)
+    load_checkpoint(model, args.model_path, dtype, show_progress=show_progress)
+    model.to(device).eval().requires_grad_(False)
+    model.rotary.inv_freq = model.rotary.inv_freq.to(device)
+    return model
+
+
+def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, stored: torch.dtype) -> int:
+    """KV bytes a token takes; `stored` is the pool's dtype (uint8: the FP8 layout)."""
+    return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
+                                  stored.itemsize, stored == torch.uint8)  # fmt: skip
+
+
+def layer_split(args: ServerArgs, parallel: ParallelState):
+    """The KV pool's LayerSplit hook (None unless --enable-dsa-cache-layer-split)."""
+    if not args.enable_dsa_cache_layer_split:
+        return None
+    return partial(split_kv_cache, args, parallel)
+
+
+def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,
+               device: torch.device, parallel: ParallelState,
+               extra_per_token: int = 0) -> int:  # fmt: skip
+    """KV pages; every rank computes it and the smallest wins, so all pools have one layout.
+    `extra_per_token`: bytes a token also takes beside the pool (a DFlash drafter's context)."""
+    per_token = pool_bytes_per_token(config, with_mtp, stored) + extra_per_token
+    tokens = args.max_total_tokens or tokens_from_memory(args, per_token, device)
+    pages = max(tokens // (args.page_size or 64), 2)
+    if parallel.world > 1:
+        agreed = torch.tensor([pages])
+        torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN,
+                                     group=parallel.cpu_group)  # fmt: skip
+        pages = int(agreed)
+    return pages

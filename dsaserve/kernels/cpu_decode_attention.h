@@ -1,0 +1,178 @@
+// The attention half of a native decode layer (cpu_decode_layer.h): the projections, the new
+// token's latent entry and index key into the pool, the absorbed queries, the indexer's top-k
+// and the sparse attention over the selected entries, read where they lie in the pool.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace dsa {
+
+// parts = h W_in^T (q_a | kv_a | index key | index head weights); the new entry and key into
+// the pool; q_resid; qp = q_resid W_qres^T (q heads | index q heads).
+inline void Layer::project(const Ctx& c, const Rows& kv, const Rows& keys) const {
+  Scratch& w = c.w;
+  const int64_t rows = c.s.rows, hidden = w.hidden, width = w_in.rows, entry = rank + rope;
+  Job in = Job::linear(w_in, rows, w.h.data(), hidden, w.parts.data(), width);
+  run_jobs(&in, 1, c.tid, c.nth);
+  c.barrier();
+  const auto [b, e] = c.my_rows();
+  const int64_t half = rope / 2, k_off = q_lora + rank + rope, w_off = k_off + idx_dim;
+  const float w_scale = static_cast<float>(std::pow(idx_heads, -0.5) * std::pow(idx_dim, -0.5));
+  thread_local std::vector<float> tmp;
+  tmp.resize(std::max(entry, idx_dim));
+  for (int64_t t = b; t < e; ++t) {
+    const float* p = w.parts.data() + t * width;
+    rms_norm(p, q_lora, qa_norm, f_[kQaEps], w.qres.data() + t * q_lora);
+    rms_norm(p + q_lora, rank, kv_norm, f_[kKvEps], tmp.data());
+    rotate(p + q_lora + rank, c.cos(t), c.sin(t), half, true, tmp.data() + rank);
+    kv.store(c.s.out_slots[t], tmp.data());
+    if (index_cache < 0) continue;
+    // LayerNorm of the key (biased variance, as F.layer_norm), then rotary on its first dims.
+    const float* k = p + k_off;
+    float mean = 0, var = 0;
+    for (int64_t i = 0; i < idx_dim; ++i) mean += k[i];
+    mean /= idx_dim;
+    for (int64_t i = 0; i < idx_dim; ++i) var += (k[i] - mean) * (k[i] - mean);
+    const float r = 1.0f / std::sqrt(var / idx_dim + static_cast<float>(f_[kIdxEps]));
+    thread_local std::vector<float> normed, key;
+    normed.resize(idx_dim);
+    key.resize(idx_dim);
+    for (int64_t i = 0; i < idx_dim; ++i) normed[i] = (k[i] - mean) * r * idx_norm_w[i] + idx_norm_b[i];
+    rotate(normed.data(), c.cos(t), c.sin(t), half, interleave, key.data());
+    std::copy(normed.begin() + rope, normed.end(), key.begin() + rope);
+    keys.store(c.s.out_slots[t], key.data());
+    for (int64_t h = 0; h < idx_heads; ++h) w.iw[t * idx_heads + h] = p[w_off + h] * w_scale;
+  }
+  c.barrier();
+  Job q = Job::linear(w_qres, rows, w.qres.data(), q_lora, w.qp.data(), w_qres.rows);
+  run_jobs(&q, 1, c.tid, c.nth);
+  c.barrier();
+}
+
+// q_full [T, H, rank + rope]: q_nope absorbed through W_UK, q_pe rotated; the index queries.
+inline void Layer::queries(const Ctx& c) const {
+  Scratch& w = c.w;
+  const int64_t entry = rank + rope, half = rope / 2, width = w_qres.rows;
+  const int64_t per_row = heads + (index_cache >= 0 ? idx_heads : 0);
+  const auto [b, e] = share(c.s.rows * per_row, c.tid, c.nth);
+  for (int64_t item = b; item < e; ++item) {
+    const int64_t t = item / per_row, h = item % per_row;
+    const float* q = w.qp.data() + t * width;
+    if (h < heads) {
+      float* out = w.qfull.data() + (t * heads + h) * entry;
+      Mat uk = w_uk_t;
+      uk.data = static_cast<const uint8_t*>(w_uk_t.data) +
+                h * rank * nope * (w_uk_t.bf16 ? 2 : 4);
+      RowsRef x{q + h * qk, 0, nullptr};
+      linear_ref(x, 1, uk, 0, rank, out, 0);
+      rotate(q + h * qk + nope, c.cos(t), c.sin(t), half, true, out + rank);
+    } else {
+      const int64_t hi = h - heads;
+      const float* src = q + heads * qk + hi * idx_dim;
+      float* out = w.iq.data() + (t * idx_heads + hi) * idx_dim;
+      rotate(src, c.cos(t), c.sin(t), half, interleave, out);
+      std::copy(src + rope, src + idx_dim, out + rope);
+    }
+  }
+  c.barrier();
+}
+
+// The top-k of each row longer than topk: its keys dealt to the threads (each a range of the
+// concatenated rows, scored and reduced to its own k best), then the ranges merged per row.
+inline void Layer::select(const Ctx& c, const Rows& keys) const {
+  Scratch& w = c.w;
+  const Step& s = c.s;
+  int64_t total = 0;
+  for (int64_t t = 0; t < s.rows; ++t) total += s.lengths[t] > topk ? s.lengths[t] : 0;
+  const auto [lo, hi] = share(total, c.tid, c.nth, 64);
+  int64_t start = 0;
+  const int64_t stride = w.scores.size() / std::max<int64_t>(s.rows, 1);
+  for (int64_t t = 0; t < s.rows; ++t) {
+    const int64_t length = s.lengths[t];
+    auto& mine = w.cands[t * c.nth + c.tid];
+    mine.clear();
+    if (length <= topk) continue;
+    const int64_t b = std::clamp(lo - start, int64_t{0}, length);
+    const int64_t e = std::clamp(hi - start, int64_t{0}, length);
+    start += length;
+    if (b >= e) continue;
+    float* scores = w.scores.data() + t * stride;
+    score_keys(w.iq.data() + t * idx_heads * idx_dim, w.iw.data() + t * idx_heads, keys,
+               s.slots + t * s.slot_stride, length, b, e, idx_heads, scores);
+    topk_range(scores, b, e, topk, mine);
+  }
+  c.barrier();
+  const auto [rb, re] = c.my_rows();
+  thread_local std::vector<Cand> all;
+  for (int64_t t = rb; t < re; ++t) {
+    w.npicks[t] = s.lengths[t] > topk ? topk : 0;  // 0: the whole context
+    if (!w.npicks[t]) continue;
+    all.clear();
+    for (int k = 0; k < c.nth; ++k) {
+      const auto& part = w.cands[t * c.nth + k];
+      all.insert(all.end(), part.begin(), part.end());
+    }
+    merge_topk(all, topk, w.picks.data() + t * w.topk);
+  }
+  c.barrier();
+}
+
+// softmax(q . entry * scale) over each row's selected entries (all of its context when it has
+// no more than topk), times their latent part, then W_UV: [T, H, v]. Split by (row, head); a
+// thread dequantises a row's entries once for all of its heads.
+inline void Layer::attend(const Ctx& c, const Rows& kv) const {
+  Scratch& w = c.w;
+  const Step& s = c.s;
+  const int64_t entry = rank + rope;
+  const auto [b, e] = share(s.rows * heads, c.tid, c.nth);
+  thread_local std::vector<float> buf, p, latent;
+  thread_local std::vector<const float*> ptr;
+  int64_t loaded = -1;
+  for (int64_t item = b; item < e; ++item) {
+    const int64_t t = item / heads, h = item % heads;
+    const int64_t picked = w.npicks[t];  // the last full layer's (a shared layer has none)
+    const int64_t n = picked ? picked : s.lengths[t];
+    if (t != loaded) {
+      buf.resize(n * entry);
+      ptr.resize(n);
+      p.resize(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t at = picked ? w.picks[t * w.topk + j] : j;
+        ptr[j] = kv.load(s.slots[t * s.slot_stride + at], buf.data() + j * entry);
+      }
+      loaded = t;
+    }
+    const float* q = w.qfull.data() + (t * heads + h) * entry;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = dot(q, ptr[j], entry) * static_cast<float>(f_[kScale]);
+      top = std::max(top, p[j]);
+    }
+    float sum = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = std::exp(p[j] - top);
+      sum += p[j];
+    }
+    latent.assign(rank, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float weight = p[j] / sum;
+      for (int64_t i = 0; i < rank; ++i) latent[i] += weight * ptr[j][i];
+    }
+    Mat uv = w_uv;
+    uv.data = static_cast<const uint8_t*>(w_uv.data) + h * v * rank * (w_uv.bf16 ? 2 : 4);
+    RowsRef x{latent.data(), 0, nullptr};
+    linear_ref(x, 1, uv, 0, v, w.ov.data() + (t * heads + h) * v, 0);
+  }
+  c.barrier();
+  Job o = Job::linear(w_o, s.rows, w.ov.data(), heads * v, w.attn.data(), w.hidden);
+  o.residual = w.x.data();
+  o.residual_stride = w.hidden;
+  run_jobs(&o, 1, c.tid, c.nth);
+  c.barrier();
+}
+
+}  // namespace dsa

@@ -1,0 +1,249 @@
+// One decoder layer of the native decode step (cpu_decode.cpp), phase by phase on the pool.
+//
+// Each phase is split across the job's threads: "rows" phases by batch row, "columns" phases by
+// output columns of a linear over every row (cpu_decode_jobs.h), and a barrier ends each phase
+// whose outputs the next reads across threads. The order of every sum is fixed (see
+// cpu_decode_math.h), so the thread count never changes a result.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "cpu_decode_indexer.h"
+#include "cpu_decode_jobs.h"
+#include "cpu_decode_kv.h"
+#include "cpu_decode_math.h"
+#include "cpu_decode_pool.h"
+
+namespace dsa {
+
+using torch::Tensor;
+
+// The order of a layer's tensors, ints and floats (layers/cpu_decode.py layer_fields).
+enum Slot {
+  kInNorm, kWIn, kBIn, kQaNorm, kWQres, kKvNorm, kWUkT, kWUv, kWO, kBO, kPostNorm, kMlpGateUp,
+  kMlpDown, kRouter, kRouterBias, kExpGateUp, kExpDown, kIdxNormW, kIdxNormB, kNumSlots
+};
+enum Int {
+  kLayerId, kIndexCache, kQLora, kRank, kRope, kIdxDim, kIdxHeads, kHeads, kNope, kV,
+  kIdxInterleave, kTopk, kNGroup, kTopkGroup, kTopK, kNormalise, kNumInts
+};
+enum Float { kInEps, kQaEps, kKvEps, kPostEps, kIdxEps, kScale, kScaling, kNumFloats };
+
+inline Mat mat(const Tensor& t, int64_t index = -1) {
+  Mat m;
+  if (!t.defined() || t.numel() == 0) return m;
+  TORCH_CHECK(t.is_contiguous() && (t.scalar_type() == torch::kFloat ||
+                                    t.scalar_type() == torch::kBFloat16),
+              "native decode weights: contiguous fp32 or bf16");
+  m.rows = t.size(-2);
+  m.cols = t.size(-1);
+  m.bf16 = t.scalar_type() == torch::kBFloat16;
+  const int64_t offset = index < 0 ? 0 : index * m.rows * m.cols;
+  m.data = static_cast<const uint8_t*>(t.data_ptr()) + offset * t.element_size();
+  return m;
+}
+
+inline const float* f32(const Tensor& t) {
+  if (!t.defined() || t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), "fp32 norm / bias");
+  return t.data_ptr<float>();
+}
+
+// What one step computes: the batch (from Python) and where its outputs go.
+struct Step {
+  int64_t rows = 0;
+  const int64_t *ids, *positions, *out_slots, *slots, *lengths;
+  int64_t slot_stride = 0, half = 0;
+  const float *cos, *sin;
+  const Tensor *kv_cache, *index_cache;
+  float* logits;
+  const std::vector<int64_t>* taps = nullptr;  // layers whose outputs go to `tapped`
+  float* tapped = nullptr;  // [rows, taps * hidden]
+};
+
+struct Layer;
+struct Head;
+
+// Every buffer of a step, sized once per step for the largest layer (no allocation inside).
+struct Scratch {
+  std::vector<float> x, h, parts, qres, qp, qfull, iq, iw, scores, ov, attn, router, gu, act,
+      shared, ew, egu, eact, eout;
+  std::vector<int64_t> picks, eidx, npicks;  // picks [rows, topk]; npicks: 0 = all keys
+  std::vector<std::vector<Cand>> cands;  // [rows * threads]: each thread's share of a row
+  int64_t hidden = 0, topk = 0, top_k = 0, threads = 1;
+  void size(const std::vector<Layer>& layers, const Head& head, int64_t rows, int64_t length,
+            int threads);
+};
+
+// A thread's view of the running step.
+struct Ctx {
+  const Step& s;
+  Scratch& w;
+  Pool& pool;
+  int tid, nth;
+  std::pair<int64_t, int64_t> my_rows() const { return share(s.rows, tid, nth); }
+  void barrier() const { pool.barrier(); }
+  const float* cos(int64_t t) const { return s.cos + s.positions[t] * s.half; }
+  const float* sin(int64_t t) const { return s.sin + s.positions[t] * s.half; }
+};
+
+struct Layer {
+  Layer(const std::vector<Tensor>& t, const std::vector<int64_t>& i, const std::vector<double>& f)
+      : t_(t), f_(f) {
+    TORCH_CHECK(t.size() == kNumSlots && i.size() == kNumInts && f.size() == kNumFloats,
+                "layer fields");
+    layer_id = i[kLayerId], index_cache = i[kIndexCache], q_lora = i[kQLora], rank = i[kRank];
+    rope = i[kRope], idx_dim = i[kIdxDim], idx_heads = i[kIdxHeads], heads = i[kHeads];
+    nope = i[kNope], v = i[kV], interleave = i[kIdxInterleave] != 0, topk = i[kTopk];
+    groups = i[kNGroup], topk_group = i[kTopkGroup], top_k = i[kTopK], normalise = i[kNormalise];
+    w_in = mat(t[kWIn]), w_qres = mat(t[kWQres]), w_o = mat(t[kWO]);
+    w_in.bias = f32(t[kBIn]), w_o.bias = f32(t[kBO]);
+    mlp_gate_up = mat(t[kMlpGateUp]), mlp_down = mat(t[kMlpDown]), router = mat(t[kRouter]);
+    experts = t[kExpGateUp].defined() && t[kExpGateUp].numel() ? t[kExpGateUp].size(0) : 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      exp_gate_up.push_back(mat(t[kExpGateUp], e));
+      exp_down.push_back(mat(t[kExpDown], e));
+    }
+    in_norm = f32(t[kInNorm]), qa_norm = f32(t[kQaNorm]), kv_norm = f32(t[kKvNorm]);
+    post_norm = f32(t[kPostNorm]), idx_norm_w = f32(t[kIdxNormW]), idx_norm_b = f32(t[kIdxNormB]);
+    router_bias = f32(t[kRouterBias]);
+    w_uk_t = mat(t[kWUkT]), w_uv = mat(t[kWUv]);  // per head: [rank, nope], [v, rank]
+    qk = nope + rope;
+  }
+
+  void forward(const Ctx& c, const Rows& kv, const Rows& keys) const;
+
+  int64_t layer_id, index_cache, q_lora, rank, rope, idx_dim, idx_heads, heads, nope, v, topk;
+  int64_t groups, topk_group, top_k, normalise, experts, qk;
+  bool interleave;
+  Mat w_in, w_qres, w_o, mlp_gate_up, mlp_down, router, w_uk_t, w_uv;
+  std::vector<Mat> exp_gate_up, exp_down;
+  const float *in_norm, *qa_norm, *kv_norm, *post_norm, *idx_norm_w, *idx_norm_b, *router_bias;
+  std::vector<Tensor> t_;  // keeps the weights alive
+  std::vector<double> f_;
+
+ private:
+  void project(const Ctx& c, const Rows& kv, const Rows& keys) const;
+  void queries(const Ctx& c) const;
+  void select(const Ctx& c, const Rows& keys) const;
+  void attend(const Ctx& c, const Rows& kv) const;
+  void ffn(const Ctx& c) const;
+  void route(const Ctx& c) const;
+};
+
+// The embedding before the layers, the final norm and the LM head after them.
+struct Head {
+  Head() = default;
+  Head(const std::vector<Tensor>& t, double eps) : t_(t), eps(eps) {
+    TORCH_CHECK(t.size() == 3, "head: embedding, norm, lm_head");
+    embed = mat(t[0]), norm = f32(t[1]), lm = mat(t[2]);
+    vocab = lm.rows, hidden = lm.cols;
+  }
+
+  void embed_rows(const Ctx& c) const {
+    const auto [b, e] = c.my_rows();
+    for (int64_t t = b; t < e; ++t) {
+      float* x = c.w.x.data() + t * hidden;
+      const int64_t id = c.s.ids[t];
+      if (embed.bf16) {
+        bf16_to_floats(static_cast<const uint16_t*>(embed.data) + id * hidden, hidden, x);
+      } else {
+        std::copy_n(static_cast<const float*>(embed.data) + id * hidden, hidden, x);
+      }
+    }
+  }
+
+  // `normed` runs after this thread's rows are normed (the last layer's tap reads them).
+  template <typename F>
+  void logits(const Ctx& c, F normed) const {
+    const auto [b, e] = c.my_rows();
+    for (int64_t t = b; t < e; ++t)
+      rms_norm(c.w.x.data() + t * hidden, hidden, norm, eps, c.w.h.data() + t * hidden);
+    normed();
+    c.barrier();
+    Job job = Job::linear(lm, c.s.rows, c.w.h.data(), hidden, c.s.logits, vocab);
+    run_jobs(&job, 1, c.tid, c.nth);
+  }
+
+  std::vector<Tensor> t_;
+  double eps = 1e-6;
+  Mat embed, lm;
+  const float* norm = nullptr;
+  int64_t vocab = 0, hidden = 0;
+};
+
+}  // namespace dsa
+
+#include "cpu_decode_attention.h"
+#include "cpu_decode_ffn.h"
+
+namespace dsa {
+
+// x [T, hidden] through the layer, in place. Starts and ends with a "rows" phase, so the
+// previous layer's last phase and this one's first need no barrier between them.
+inline void Layer::forward(const Ctx& c, const Rows& kv, const Rows& keys) const {
+  Scratch& w = c.w;
+  const auto [b, e] = c.my_rows();
+  for (int64_t t = b; t < e; ++t)
+    rms_norm(w.x.data() + t * w.hidden, w.hidden, in_norm, f_[kInEps], w.h.data() + t * w.hidden);
+  c.barrier();
+  project(c, kv, keys);
+  queries(c);
+  if (index_cache >= 0) select(c, keys);  // else: the previous full layer's picks
+  attend(c, kv);
+  for (int64_t t = b; t < e; ++t)
+    rms_norm(w.x.data() + t * w.hidden, w.hidden, post_norm, f_[kPostEps],
+             w.h.data() + t * w.hidden);
+  c.barrier();
+  ffn(c);
+}
+
+inline void Scratch::size(const std::vector<Layer>& layers, const Head& head, int64_t rows,
+                          int64_t length, int nth) {
+  hidden = head.hidden;
+  int64_t parts_w = 0, qp_w = 0, qfull_w = 0, iq_w = 0, iw_w = 0, ov_w = 0, gu_w = 0;
+  int64_t router_w = 0, egu_w = 0, eact_w = 0, act_w = 0, qres_w = 0;
+  topk = top_k = 0;
+  for (const Layer& L : layers) {
+    parts_w = std::max(parts_w, L.w_in.rows);
+    qres_w = std::max(qres_w, L.q_lora);
+    qp_w = std::max(qp_w, L.w_qres.rows);
+    qfull_w = std::max(qfull_w, L.heads * (L.rank + L.rope));
+    iq_w = std::max(iq_w, L.idx_heads * L.idx_dim);
+    iw_w = std::max(iw_w, L.idx_heads);
+    ov_w = std::max(ov_w, L.heads * L.v);
+    gu_w = std::max(gu_w, L.mlp_gate_up.rows);
+    act_w = std::max(act_w, L.mlp_gate_up.rows / 2);
+    router_w = std::max(router_w, L.experts);
+    topk = std::max(topk, L.topk);
+    top_k = std::max(top_k, L.top_k);
+    if (L.experts) {
+      egu_w = std::max(egu_w, L.exp_gate_up[0].rows);
+      eact_w = std::max(eact_w, L.exp_down[0].cols);
+    }
+  }
+  const auto fit = [](auto& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  };
+  fit(x, rows * hidden), fit(h, rows * hidden), fit(attn, rows * hidden);
+  fit(shared, rows * hidden), fit(parts, rows * parts_w), fit(qres, rows * qres_w);
+  fit(qp, rows * qp_w), fit(qfull, rows * qfull_w), fit(iq, rows * iq_w), fit(iw, rows * iw_w);
+  fit(ov, rows * ov_w), fit(gu, rows * gu_w), fit(act, rows * act_w);
+  fit(router, rows * router_w), fit(ew, rows * top_k), fit(eidx, rows * top_k);
+  fit(egu, rows * top_k * egu_w), fit(eact, rows * top_k * eact_w);
+  fit(eout, rows * top_k * hidden), fit(picks, rows * topk);
+  scores.resize(rows * length);  // the stride of a row's scores is `length`
+  npicks.assign(rows, 0);
+  if (static_cast<int64_t>(cands.size()) < rows * nth) cands.resize(rows * nth);
+  threads = nth;
+}
+
+}  // namespace dsa

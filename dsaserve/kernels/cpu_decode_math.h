@@ -1,0 +1,246 @@
+// The loops of the native decode layers (cpu_decode.cpp): dot products, linears over fp32 or
+// bf16 weights, norms, rotary, and the bf16 / e4m3 conversions of the KV cache.
+//
+// Every output element is one dot product computed the same way wherever it falls: 16 lanes
+// accumulated in input order (a masked step for the tail), then one fixed reduction tree. So a
+// result never depends on the batch's size, the blocking, or how the threads split the work
+// (1, 2 or 3 threads give the same bits).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace dsa {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_to_float(uint16_t v) { return float_of(static_cast<uint32_t>(v) << 16); }
+
+// Round to nearest even, as torch's float -> bfloat16.
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  const uint32_t u = bits_of(f);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// float -> float8_e4m3fn as torch's (c10/util/Float8_e4m3fn.h): round to nearest even,
+// NaN past the largest finite value (the callers clamp to +-448 first).
+inline uint8_t float_to_e4m3(float f) {
+  uint32_t u = bits_of(f);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t out;
+  if (u >= (1087u << 20)) {
+    out = 0x7F;
+  } else if (u < (121u << 23)) {
+    const uint32_t denorm = 141u << 23;
+    out = static_cast<uint8_t>(bits_of(float_of(u) + float_of(denorm)) - denorm);
+  } else {
+    const uint32_t odd = (u >> 20) & 1;
+    u += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFF;
+    u += odd;
+    out = static_cast<uint8_t>(u >> 20);
+  }
+  return out | static_cast<uint8_t>(sign >> 24);
+}
+
+// e4m3 -> float, exactly: the byte's exponent and mantissa bits, moved into a half float, are
+// the value times 2^-8 (normals and subnormals alike); `mul` folds the 2^8 in with the scale.
+inline float e4m3_to_float(uint8_t v) {
+  const int e = (v >> 3) & 0xF, m = v & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                           : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return v & 0x80 ? -mag : mag;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load_bf16(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  const __m256i v = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// 16 e4m3 bytes -> 16 floats times 2^-8 (see e4m3_to_float).
+inline __m512 load_e4m3_scaled(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+}
+
+// One fixed tree: lanes i + 8, then + 4, + 2, + 1.
+inline float hsum(__m512 v) {
+  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+#endif
+
+// sum_i a[i] * b[i], the lane order and tree of every dot product here.
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return hsum(acc);
+#else
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
+  for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
+  for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
+  for (int j = 0; j < 2; ++j) acc[j] += acc[j + 2];
+  return acc[0] + acc[1];
+#endif
+}
+
+// A weight [rows, cols], row-major, fp32 or bf16, with an optional fp32 bias [rows].
+struct Mat {
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  bool bf16 = false;
+  const float* bias = nullptr;
+};
+
+#if defined(__AVX512F__)
+// One block: OB weight rows (from o) x TB input rows (from t), OB x TB accumulators in registers
+// (the block sizes are template arguments so that the compiler keeps them there).
+template <bool BF16, int OB, int TB>
+void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, float* const* y) {
+  const int64_t cols = w.cols, tail = cols % 16, body = cols - tail;
+  const __mmask16 m = static_cast<__mmask16>((1u << tail) - 1);
+  __m512 acc[OB][TB];
+  for (int a = 0; a < OB; ++a)
+    for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_setzero_ps();
+  const auto step = [&](int64_t i, bool masked) {
+    __m512 wv[OB], xv[TB];
+    for (int a = 0; a < OB; ++a) {
+      if constexpr (BF16) {
+        const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
+        wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
+      } else {
+        const float* wr = static_cast<const float*>(w.data) + (o + a) * cols + i;
+        wv[a] = masked ? _mm512_maskz_loadu_ps(m, wr) : _mm512_loadu_ps(wr);
+      }
+    }
+    for (int b = 0; b < TB; ++b)
+      xv[b] = masked ? _mm512_maskz_loadu_ps(m, x[t + b] + i) : _mm512_loadu_ps(x[t + b] + i);
+    for (int a = 0; a < OB; ++a)
+      for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_fmadd_ps(wv[a], xv[b], acc[a][b]);
+  };
+  for (int64_t i = 0; i < body; i += 16) step(i, false);
+  if (tail) step(body, true);
+  for (int a = 0; a < OB; ++a)
+    for (int b = 0; b < TB; ++b) {
+      const float s = hsum(acc[a][b]);
+      y[t + b][o + a] = w.bias ? s + w.bias[o + a] : s;
+    }
+}
+
+template <bool BF16, int OB>
+void linear_tiles(const float* const* x, int64_t rows, const Mat& w, int64_t o, float* const* y) {
+  int64_t t = 0;
+  for (; t + 4 <= rows; t += 4) linear_tile<BF16, OB, 4>(x, w, o, t, y);
+  switch (rows - t) {
+    case 3: linear_tile<BF16, OB, 3>(x, w, o, t, y); break;
+    case 2: linear_tile<BF16, OB, 2>(x, w, o, t, y); break;
+    case 1: linear_tile<BF16, OB, 1>(x, w, o, t, y); break;
+    default: break;
+  }
+}
+#endif
+
+// y[t][o] = x[t] . w[o] (+ bias[o]) for o in [o0, o1) and every row t < rows, in tiles of 4
+// weight rows x 4 input rows: each weight row is read once for all the rows.
+template <bool BF16>
+void linear_block(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
+                  float* const* y) {
+#if defined(__AVX512F__)
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) linear_tiles<BF16, 4>(x, rows, w, o, y);
+  switch (o1 - o) {
+    case 3: linear_tiles<BF16, 3>(x, rows, w, o, y); break;
+    case 2: linear_tiles<BF16, 2>(x, rows, w, o, y); break;
+    case 1: linear_tiles<BF16, 1>(x, rows, w, o, y); break;
+    default: break;
+  }
+#else
+  const int64_t cols = w.cols;
+  std::vector<float> row(cols);
+  for (int64_t o = o0; o < o1; ++o) {
+    const float* wr = static_cast<const float*>(w.data) + o * cols;
+    if (BF16) {
+      const uint16_t* wb = static_cast<const uint16_t*>(w.data) + o * cols;
+      for (int64_t i = 0; i < cols; ++i) row[i] = bf16_to_float(wb[i]);
+      wr = row.data();
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      const float s = dot(wr, x[t], cols);
+      y[t][o] = w.bias ? s + w.bias[o] : s;
+    }
+  }
+#endif
+}
+
+inline void linear_rows(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
+                        float* const* y) {
+  if (o0 >= o1 || rows == 0) return;
+  if (w.bf16) {
+    linear_block<true>(x, rows, w, o0, o1, y);
+  } else {
+    linear_block<false>(x, rows, w, o0, o1, y);
+  }
+}
+
+// RMSNorm of n values (as torch.rms_norm in fp32: mean of squares, rsqrt, times the weight).
+inline void rms_norm(const float* x, int64_t n, const float* w, double eps, float* out) {
+  float ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / n + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
+}
+
+// Rotary as dsaserve/layers/fused.py `rotation`: out[j] = x[f] cos - x[s] sin,
+// out[j + half] = x[s] cos + x[f] sin, with (f, s) = (2j, 2j + 1) interleaved, else (j, j + half).
+inline void rotate(const float* x, const float* cos, const float* sin, int64_t half,
+                   bool interleave, float* out) {
+  for (int64_t j = 0; j < half; ++j) {
+    const float a = interleave ? x[2 * j] : x[j];
+    const float b = interleave ? x[2 * j + 1] : x[j + half];
+    out[j] = a * cos[j] - b * sin[j];
+    out[j + half] = b * cos[j] + a * sin[j];
+  }
+}
+
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+}  // namespace dsa

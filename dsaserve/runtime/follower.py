@@ -1,0 +1,34 @@
+"""What a spawned rank runs: the rank loop over its model shard, or another group's engine.
+
+A follower (any rank but its attention group's first) builds its shard (engine/shard.py, the
+function the leader's `Engine` builds its own with: the same model slice and KV pool layout), then
+joins every round until STOP. Under DP attention the first rank of groups 1..dp-1 is a full engine
+(scheduler, KV pool, radix cache) with its own request socket.
+"""
+
+from __future__ import annotations
+
+from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.distributed.rendezvous import init_rank
+from dsaserve.engine.rounds import RankRunner
+from dsaserve.engine.shard import build_shard
+from dsaserve.engine.startup import pick_device
+from dsaserve.runtime.engine_process import run_group_leader
+from dsaserve.runtime.ranks import RankJob, rank_threads
+
+
+def run_rank(job: RankJob) -> int:
+    device = pick_device(job.args.device)
+    parallel = init_rank(job.args, job.rank, job.where, device.type)
+    rank_threads(parallel.sizes)
+    if parallel.is_leader:  # another DP-attention group's scheduler
+        return run_group_leader(job.args, job.paths, parallel, job.factory)
+    follower_runner(job.args, parallel).follow()
+    return 0
+
+
+def follower_runner(args, parallel: ParallelState) -> RankRunner:
+    """This rank's shard behind the rank rounds."""
+    shard = build_shard(args, parallel, show_progress=False)
+    pool = shard.pool
+    return RankRunner(shard.model, pool.kv_cache, pool.index_cache, parallel, shard.device)

@@ -1,0 +1,111 @@
+"""The package is a house of floors that import only downward (docs/architecture.md).
+
+The imports are read with `ast` (scripts/import_graph.py): every `import` and `from ... import`,
+inside functions and under `TYPE_CHECKING` too, and the "module:attribute" strings registries
+import lazily. No cycle anywhere (the package, bench/, scripts/, tests/); no import from a floor
+to a higher one; every folder on a documented floor; the picture in docs/architecture.md is the
+one the imports draw; README's Layout names every file. Also: no source file over 400 lines, no
+test double in the package, assets that hold only what the package loads at run time.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import import_graph  # noqa: E402
+
+MAX_LINES = 400
+ASSETS = {  # what the package reads at run time
+    "__init__.py", "console/index.html", "console/console.js", "console/console.css",
+    "default_model/config.json", "default_model/generation_config.json",
+    "default_model/model.safetensors", "default_model/tokenizer.json",
+    "default_model/tokenizer_config.json", "default_model/chat_template.jinja",
+    "default_dflash/config.json", "default_dflash/model.safetensors",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def edges() -> list[import_graph.Edge]:
+    return import_graph.edges()
+
+
+def test_no_import_cycle(edges):
+    assert import_graph.cycles(edges) == []
+
+
+def test_imports_only_go_down_the_floors(edges):
+    upward = [f"{e.source}:{e.line} -> {e.target}" for e in import_graph.upward(edges)]
+    assert upward == [], "imports that run up a floor (pass the value down instead)"
+
+
+def test_every_module_is_on_a_documented_floor():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for module in import_graph.module_files():
+        import_graph.floor(module)  # KeyError: a folder on no floor
+    for floor, units in import_graph.FLOORS.items():
+        row = next(line for line in doc.splitlines() if line.startswith(f"| {floor} |"))
+        for unit in units:
+            name = "dsaserve/__init__.py" if unit == "__init__" else unit
+            assert f"`{name}" in row, f"floor {floor} of docs/architecture.md lacks {name}"
+
+
+def test_the_documented_picture_is_drawn_from_the_imports(edges):
+    assert import_graph.documented_picture() == import_graph.picture(edges), (
+        "docs/architecture.md is stale: python scripts/import_graph.py --write"
+    )
+
+
+def test_the_checker_sees_lazy_and_by_name_imports(tmp_path: Path):
+    """A lower floor reaching up inside a function, or by a registry's string, is caught, and
+    so is the cycle the function-local import closes."""
+    kernels, engine = tmp_path / "dsaserve" / "kernels", tmp_path / "dsaserve" / "engine"
+    kernels.mkdir(parents=True)
+    engine.mkdir()
+    (kernels / "op.py").write_text("def f():\n    from dsaserve.engine import runner\n")
+    (kernels / "table.py").write_text('IMPLS = {"x": "dsaserve.engine.runner:Runner"}\n')
+    (engine / "runner.py").write_text("from dsaserve.kernels.op import f\n")
+    found = import_graph.edges(tmp_path)
+    assert import_graph.cycles(found) == [["dsaserve.engine.runner", "dsaserve.kernels.op"]]
+    up = {(e.source, e.local, e.by_name) for e in import_graph.upward(found)}
+    assert up == {("dsaserve.kernels.op", True, False), ("dsaserve.kernels.table", False, True)}
+
+
+def test_readme_layout_names_every_file_and_folder():
+    block = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
+    package = ROOT / "dsaserve"
+    files = [*package.glob("*.py"), *package.glob("*/*.py"), *package.glob("*/*.cpp")]
+    folders = [d for d in [*package.glob("*/"), *package.glob("*/*/")] if d.is_dir()]
+    missing = [f.name for f in files if f.name != "__init__.py" and f.name not in block]
+    missing += [
+        f"{d.name}/" for d in folders if d.name != "__pycache__" and f"{d.name}/" not in block
+    ]
+    assert missing == [], "README.md's Layout section misses these"
+
+
+def test_no_source_file_over_400_lines():
+    long = {}
+    for top in ("dsaserve", "bench", "scripts", "tests"):
+        for path in (ROOT / top).rglob("*.py"):
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES:
+                long[str(path.relative_to(ROOT))] = lines
+    assert long == {}
+
+
+def test_no_test_double_in_the_package():
+    for path in (ROOT / "dsaserve").rglob("*.py"):
+        text = path.read_text()
+        assert "DSASERVE_TEST" not in text and "scripted" not in path.name, path
+
+
+def test_assets_ship_only_what_runs():
+    assets = ROOT / "dsaserve" / "assets"
+    shipped = {str(p.relative_to(assets)) for p in assets.rglob("*") if p.is_file()}
+    shipped = {name for name in shipped if "__pycache__" not in name}
+    assert shipped == ASSETS
