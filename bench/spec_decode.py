@@ -74,8 +74,10 @@ def main() -> None:
 
 
 def engines(args) -> dict[str, LLM]:
+    # --threads goes to the engine: it sets torch's threads itself (default: the cores)
     base = {"max_total_tokens": 65536, "device": args.device, "max_running_requests": 64,
-            "json_model_override_args": args.json_model_override_args}  # fmt: skip
+            "json_model_override_args": args.json_model_override_args,
+            "threads": args.threads}  # fmt: skip
     out = {}
     for mode in args.modes.split(","):
         if mode == "off":
@@ -153,23 +155,29 @@ def spec_counts(llm: LLM) -> tuple[int, int, int, int]:
 
 
 def time_forwards(llm: LLM) -> dict[str, list]:
-    """Wrap the target and drafter forwards of `llm`: name -> [calls, seconds], counting only
-    decode-row forwards of the target (decode steps, verifies), not prefills."""
+    """Wrap the target and drafter forwards of `llm`: name -> [calls, seconds]. The target's:
+    a plain step's forward (`ModelRunner.forward`) or a verify (`ModelRunner.run_verify`), only
+    those whose rows are all decode rows (no prefill chunk); the drafter's: an MTP-layer forward
+    (draft step or catch-up, decode rows only) or a DFlash block proposal."""
     engine, timers = llm.engine, {}
-    model = engine.model
-    wrapped = [("target_forward", model, "forward", True),
-               ("draft_forward", model, "forward_mtp", True)]  # fmt: skip
+    runner = engine.runner
+    plain = ("target_forward", runner, "forward",
+             lambda a: all(e - s == 1 for s, e in zip(a[0].starts, a[0].ends)))  # fmt: skip
+    wrapped = [plain, ("draft_forward", engine.model, "forward_mtp",
+                       lambda a: not current_batch().extends)]  # fmt: skip
+    if engine.spec is not None:
+        wrapped[0] = ("target_forward", runner, "run_verify", lambda a: not a[0].extends)
     if engine.spec is not None and hasattr(engine.spec, "drafter"):
-        wrapped[1] = ("draft_forward", engine.spec.drafter, "propose", False)
-    for name, owner, attr, decode_only in wrapped:
+        wrapped[1] = ("draft_forward", engine.spec.drafter, "propose", lambda a: True)
+    for name, owner, attr, counted in wrapped:
         timers[name] = [0, 0.0]
 
-        def timed(*a, _inner=getattr(owner, attr), _t=timers[name], _d=decode_only, **kw):
+        def timed(*a, _inner=getattr(owner, attr), _t=timers[name], _c=counted, **kw):
             start = time.perf_counter()
             try:
                 return _inner(*a, **kw)
             finally:
-                if not (_d and current_batch().extends):
+                if _c(a):
                     _t[0] += 1
                     _t[1] += time.perf_counter() - start
 

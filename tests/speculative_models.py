@@ -33,6 +33,29 @@ def mixed_prompts() -> list[list[int]]:
     return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
 
 
+def check_native_verify(monkeypatch) -> list[int]:
+    """Make every native verify (`ModelRunner.run_verify` on the native decode layers) also run
+    the layered model on the same batch and assert the same logits and states (fp32, 1e-4);
+    returns the row counts of the verifies checked (filled as they run)."""
+    from dsaserve.engine.model_runner import ModelRunner
+
+    native_run, checked = ModelRunner.run_verify, []
+
+    def both(self, batch, rows, taps=()):
+        logits, states = native_run(self, batch, rows, taps)
+        if self.decode_step is not None and self.decode_step.accepts(batch):  # it ran natively
+            hidden = self.run_target(batch, taps)
+            width = hidden.shape[1] // (1 + len(taps))
+            want = hidden[:, width:] if taps else hidden
+            assert torch.allclose(states, want, atol=1e-4, rtol=1e-4)
+            assert torch.allclose(logits, self.model.logits(hidden[rows, :width]), atol=1e-4)
+            checked.append(len(rows))
+        return logits, states
+
+    monkeypatch.setattr(ModelRunner, "run_verify", both)
+    return checked
+
+
 def make_mtp_checkpoint(
     folder: Path, kind: str = "glm", seed: int = 0, mode: str = "echo", **overrides
 ) -> Path:

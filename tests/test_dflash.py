@@ -12,9 +12,8 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from dflash_models import write_drafter
-from speculative_models import mixed_prompts
+from speculative_models import check_native_verify, mixed_prompts
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
@@ -139,21 +138,7 @@ def test_native_verify_taps_equal_layered(monkeypatch, prompts, plain, target, t
     layers out in the same C++ call (the last one after the final norm): each such step's logits
     and taps equal the layered model's `forward(taps)` on the same batch (fp32, 1e-4), and the
     tokens are plain decoding's."""
-    from dsaserve.engine.model_runner import ModelRunner
-
-    native_run, checked = ModelRunner.run_tapped, []
-
-    def both(self, batch, taps, rows):
-        logits, tapped = native_run(self, batch, taps, rows)
-        if self.decode_step.accepts(batch):  # the native path ran: compare with the layered
-            hidden = self.run_target(batch, taps)
-            width = hidden.shape[1] // (1 + len(taps))
-            assert torch.allclose(tapped, hidden[:, width:], atol=1e-4, rtol=1e-4)
-            assert torch.allclose(logits, self.model.logits(hidden[rows, :width]), atol=1e-4)
-            checked.append(len(rows))
-        return logits, tapped
-
-    monkeypatch.setattr(ModelRunner, "run_tapped", both)
+    checked = check_native_verify(monkeypatch)
     drafter = write_drafter(tmp_path / "drafter", target, seed=6, block_size=4)
     llm = _llm(target, drafter)
     assert llm.engine.runner.decode_step.native is not None

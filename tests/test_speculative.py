@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from speculative_models import make_mtp_checkpoint, mixed_prompts
+from speculative_models import check_native_verify, make_mtp_checkpoint, mixed_prompts
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.io import GenerateRequest
@@ -93,6 +93,17 @@ def test_oracle_drafts_greedy_identical(monkeypatch, checkpoint, prompts, plain,
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == plain
     assert llm.engine.stats()["avg_spec_accept_length"] > 1.3
+
+
+def test_native_verify_equals_layered(monkeypatch, checkpoint, prompts, plain):
+    """An all-decode verify runs the native decode layers, the final hidden states (what the
+    MTP layer reads) copied out as the last layer's tap: logits and states equal the layered
+    model's on the same batch, and the tokens are plain decoding's."""
+    checked = check_native_verify(monkeypatch)
+    llm = spec_llm(checkpoint, 3)
+    assert llm.engine.runner.decode_step.native is not None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert checked and max(checked) > 4  # several requests' verify runs in one native call
 
 
 def test_retraction_with_tiny_kv(monkeypatch, checkpoint, prompts, plain):

@@ -8,7 +8,7 @@ One engine step, block size B (K = B - 1 drafts):
 2. **Verify.** One target forward runs the prefill chunks and, per decoding request, B tokens
    [last token, d_1..d_K] at positions kv_len .. kv_len + K as B decode rows (each over its own
    prefix, running its own DSA indexer), returning with the logits the hidden states of the
-   drafter's target layers (`ModelRunner.run_tapped`: the native decode layers copy them out
+   drafter's target layers (`ModelRunner.run_verify`: the native decode layers copy them out
    in the same C++ call; the layered model's `forward(taps)` and the CUDA graphs add them).
 3. **Accept.** Row by row, as `dflash_accept.py` says: greedy output equals decoding without
    speculation, and sampled output is distributed as the target's.
@@ -84,7 +84,7 @@ class DFlashDecoder:
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
         picked = torch.tensor(rows, dtype=torch.long, device=self.runner.device)  # may be empty
-        return self.runner.run_tapped(batch, self.taps, picked)
+        return self.runner.run_verify(batch, picked, self.taps)
 
     def _accept(self, scheduled, drafting, proposals, first_row, logits, sampler,
                 append) -> list[int]:  # fmt: skip

@@ -72,20 +72,24 @@ class ModelRunner:
         with forward_context(batch):
             return self.model(taps) if taps else self.model()
 
-    def run_tapped(self, batch: ForwardBatch, taps: tuple[int, ...],
-                   rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """A DFlash verify: (the logits [R, V] of `rows`, the tapped layers' states [T, n * H] of
-        every row). An all-decode batch runs the native layers where they are built (taps
-        copied out in the same C++ call), else `run_target`."""
+    def run_verify(self, batch: ForwardBatch, rows: torch.Tensor,
+                   taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A speculative verify: (the logits [R, V] of `rows`, the states of every row): the
+        final hidden states [T, H] (EAGLE's MTP reads them), or with `taps` (a DFlash drafter's
+        target layers) those layers' [T, n * H]. An all-decode batch runs the native layers
+        where they are built (the states copied out in the same C++ call; the final ones are
+        the last layer's tap), else `run_target`."""
         step = self.decode_step
         if step is not None and step.native is not None and step.accepts(batch):
-            logits, tapped = step.fused.decode_logits(batch.input_ids, batch.positions,
+            final = (self.model.config.num_hidden_layers - 1,)
+            logits, states = step.fused.decode_logits(batch.input_ids, batch.positions,
                                                       batch.decode_slots, self.pool.kv_cache,
-                                                      self.pool.index_cache, taps=taps)  # fmt: skip
-            return logits[rows], tapped
+                                                      self.pool.index_cache,
+                                                      taps=taps or final)  # fmt: skip
+            return logits[rows], states
         hidden = self.run_target(batch, taps)
         width = hidden.shape[1] // (1 + len(taps))
-        return self.model.logits(hidden[rows, :width]), hidden[:, width:]
+        return self.model.logits(hidden[rows, :width]), hidden[:, width:] if taps else hidden
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None

@@ -125,8 +125,9 @@ class SpecDecoder:
         verify = [self._can_verify(req) and e - s == 1 for req, s, e in entries]
         layout = VerifyLayout(scheduled, verify, self.num_steps)
         drafts = self._draft([r for r, v in zip(scheduled.reqs, verify) if v])
-        hidden = self._verify_forward(scheduled, layout, drafts)
-        emitted = self._accept(scheduled, layout, drafts, hidden, sampler, append)
+        first_row, rows = layout.logits_rows(scheduled, self.num_steps)
+        logits, hidden = self._verify_forward(scheduled, layout, drafts, rows)
+        emitted = self._accept(scheduled, layout, drafts, first_row, logits, sampler, append)
         for i, req in enumerate(scheduled.reqs):
             req.kv_len = scheduled.starts[i] + emitted[i] if verify[i] else scheduled.ends[i]
         self._catch_up(scheduled, layout, hidden)
@@ -171,24 +172,22 @@ class SpecDecoder:
                 mask[row, : selection.shape[0]] = selection.cpu()
         return Selection([], mask.to(self.runner.device))
 
-    def _verify_forward(self, scheduled, layout: VerifyLayout, drafts) -> torch.Tensor:
-        """Target hidden states [T, H] of the prefill chunks and verify runs."""
+    def _verify_forward(self, scheduled, layout: VerifyLayout, drafts, rows: list[int]):
+        """(the logits of `rows`, the target's final hidden states [T, H] of the prefill chunks
+        and verify runs)."""
         pending = iter(drafts)
         input_ids = [[req.fill_ids[-1], *next(pending)] if v else req.fill_ids[s:e]
                      for req, s, e, v in zip(scheduled.reqs, scheduled.starts, scheduled.ends,
                                              layout.verify)]  # fmt: skip
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
-        return self.runner.run_target(batch)  # a CUDA graph replay where one fits
+        picked = torch.tensor(rows, dtype=torch.long, device=self.runner.device)  # may be empty
+        return self.runner.run_verify(batch, picked)  # native layers, or a CUDA graph replay
 
-    def _accept(
-        self, scheduled, layout: VerifyLayout, drafts, hidden, sampler, append
-    ) -> list[int]:
+    def _accept(self, scheduled, layout: VerifyLayout, drafts, first_row, logits, sampler,
+                append) -> list[int]:  # fmt: skip
         """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""
         reqs, k = scheduled.reqs, self.num_steps
-        first_row, rows = layout.logits_rows(scheduled, k)
-        picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
-        logits = self.model.logits(hidden[picked])
         states = [reqs[i].sampling for i in first_row]
         plain = all(map(is_plain_greedy, states))
         self._greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
