@@ -23,12 +23,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from dsaserve.engine.kv_layout import index_key_bytes, mla_entry_bytes
-from gpu_check import RankShapes, linear_shapes, rank_shapes
+from gpu_check import RankShapes, rank_shapes
 from triton.runtime.jit import JITFunction
 
 from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
 from dsaserve.engine.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
+from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.kernels.gpu_target import as_target
 from dsaserve.kernels.triton_fp8_gemm import fp8_linear
 from dsaserve.kernels.triton_indexer import indexer_scores
@@ -142,7 +142,7 @@ def _attention(claim: Claim, kv: str) -> None:
 
 def _linears(claim: Claim) -> None:
     s = claim.shapes
-    shapes = {**linear_shapes(s), "dense gate/up": (s.dense_inter, s.hidden),
+    shapes = {**s.linear_shapes(), "dense gate/up": (s.dense_inter, s.hidden),
               "dense down": (s.hidden, s.dense_inter), "shared gate/up": (s.shared_inter, s.hidden),
               "shared down": (s.hidden, s.shared_inter)}  # fmt: skip
     for rows in (*row_buckets(MAX_BS, SPEC_STEPS), PREFILL_ROWS):
