@@ -76,11 +76,12 @@ class ModelRunner:
                    taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """A speculative verify: (the logits [R, V] of `rows`, the states of every row): the
         final hidden states [T, H] (EAGLE's MTP reads them), or with `taps` (a DFlash drafter's
-        target layers) those layers' [T, n * H]. An all-decode batch runs the native layers
-        where they are built (the states copied out in the same C++ call; the final ones are
-        the last layer's tap), else `run_target`."""
+        target layers) those layers' [T, n * H]. Its CUDA graph where one fits; else an
+        all-decode batch runs the native layers where they are built (CPU: the states copied out
+        in the same C++ call, the final ones as the last layer's tap); else the layered model."""
         step = self.decode_step
-        if step is not None and step.native is not None and step.accepts(batch):
+        graphed = self.graphs is not None and self.graphs.accepts(batch)
+        if not graphed and step is not None and step.native is not None and step.accepts(batch):
             final = (self.model.config.num_hidden_layers - 1,)
             logits, states = step.fused.decode_logits(batch.input_ids, batch.positions,
                                                       batch.decode_slots, self.pool.kv_cache,
