@@ -14,7 +14,9 @@ expert's eighth; 78 layers; random block-FP8 Linears and experts, bf16 elsewhere
 and times one decode step through the engine's CUDA-graph runner (dsaserve/engine/cuda_graph.py:
 the static decode forward captured once per batch, replayed) at batch 1, 8, 32, 64, over every
 Triton kernel (indexer, sparse MLA, block-FP8 GEMM, grouped masked MoE), and divides by the
-bytes-moved floor at the measured copy bandwidth. It prints a table and writes JSON. One routed
+bytes-moved floor at the measured copy bandwidth; then the DFLASH parts (bench/gpu_check_dflash.py:
+the drafter's attention kernel, and the verify step with the drafter's target layers through the
+same graph runner). It prints a table and writes JSON. One routed
 expert set is shared by the MoE layers (75 would not fit beside the KV; each layer still reads
 its experts' bytes from HBM).
 """
@@ -158,7 +160,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from gpu_check_run import run_checks, run_timing  # the torch / Triton part
+    from gpu_check_dflash import run_dflash_checks, verify_rows  # the torch / Triton part
+    from gpu_check_run import run_checks, run_timing
 
     spec = BUILTIN_MODELS[args.model]
     shapes = {"tp": tiny_shapes(), "ep": tiny_shapes()} if args.tiny else {
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "tp": args.tp, "tiny": args.tiny,
               "shapes": {k: dataclasses.asdict(v) for k, v in shapes.items()},
               "checks": run_checks(shapes, contexts, 96 if args.tiny else 4096)}  # fmt: skip
+    report["checks"] += run_dflash_checks([256] if args.tiny else [8192], args.tiny)
     failed = [c for c in report["checks"] if not c["ok"]]
     print(f"kernel checks: {len(report['checks']) - len(failed)} ok, {len(failed)} failed")
     for check in report["checks"]:
@@ -181,7 +185,14 @@ def main(argv: list[str] | None = None) -> int:
         report["decode"] = rows
         print(f"copy bandwidth {report['bandwidth'] / 1e12:.2f} TB/s, context {context}")
         print(table(rows))
-        replays = [row.pop("replay_check") for row in rows]
+        report["dflash_verify"] = verify_rows(shapes["tp"], args.batches, context, args.iters)
+        print(
+            "DFLASH verify (block 8, taps):",
+            ", ".join(
+                f"{r['requests']} req {r['verify_ms']:.2f} ms" for r in report["dflash_verify"]
+            ),
+        )
+        replays = [row.pop("replay_check") for row in rows + report["dflash_verify"]]
         for check in replays:
             print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['error']:.2e}")
         report["checks"] += replays

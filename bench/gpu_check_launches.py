@@ -30,6 +30,7 @@ from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
 from dsaserve.engine.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
 from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.kernels.gpu_target import as_target
+from dsaserve.kernels.triton_draft_attention import draft_attention
 from dsaserve.kernels.triton_fp8_gemm import fp8_linear
 from dsaserve.kernels.triton_indexer import indexer_scores
 from dsaserve.kernels.triton_moe import grouped_experts
@@ -42,6 +43,10 @@ SPEC_STEPS = 3  # --speculative-num-steps of the GLM-5.3 guide: verify rows are 
 PREFILL_ROWS = 8192  # one --chunked-prefill-size chunk through the Linears and the experts
 EAGER_CONTEXTS = (1000, 5000)  # eager slot-table widths (no graph bucket): not multiples of 16
 KV_CACHES = ("bf16", "fp8", "fp32")
+# DFLASH drafters (they run whole on the leader rank): claim -> (heads, kv heads, head dim, block)
+DRAFTERS = {"GLM-5.3 TP8": (32, 8, 128, 8), "embedded": (6, 2, 32, 8)}  # the guide's; ours
+DRAFT_ROWS = (1, 8, MAX_BS)  # requests drafting at once
+DRAFT_CONTEXTS = (1000, 4096)  # context widths: one not a multiple of 16
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,22 @@ def _attention(claim: Claim, kv: str) -> None:
         _until_launch(label, sparse_mla_decode, q, cache, table, valid, s.rank, 0.1)
 
 
+def _drafter(claim: Claim) -> None:
+    """The DFLASH drafter's block attention over its context entries (`draft_attention`)."""
+    heads, kv_heads, dim, block = DRAFTERS[claim.name]
+    cache = torch.empty(1 << 16, 2 * kv_heads * dim, dtype=claim.compute, device=META)
+    for rows in DRAFT_ROWS:
+        for context in DRAFT_CONTEXTS:
+            q = torch.empty(rows, block, heads, dim, dtype=claim.compute, device=META)
+            kv = torch.empty(rows, block, kv_heads, dim, dtype=claim.compute, device=META)
+            table = torch.empty(rows, context, dtype=torch.long, device=META)
+            allowed = torch.empty(rows, block, context, dtype=torch.bool, device=META)
+            own = torch.empty(block, block, dtype=torch.bool, device=META)
+            label = f"{claim.name} DFLASH drafter, {rows} requests x {context}"
+            _until_launch(label, draft_attention, q, cache, table, allowed, kv, kv, own,
+                          dim**-0.5)  # fmt: skip
+
+
 def _linears(claim: Claim) -> None:
     s = claim.shapes
     shapes = {**s.linear_shapes(), "dense gate/up": (s.dense_inter, s.hidden),
@@ -220,6 +241,8 @@ def record_launches(cc: int = 90, only: str = "") -> list[Launch]:
                 if claim.fp8_linears:
                     _linears(claim)
                 _experts(claim)
+                if claim.name in DRAFTERS:
+                    _drafter(claim)
     finally:
         JITFunction.run = original
         _current["into"] = None

@@ -120,7 +120,7 @@ def decode_batch(model, pool: KVPool, kernels: Kernels, batch: int, context: int
 
 
 def triton_kernels() -> Kernels:
-    names = {op: "triton" for op in ("indexer", "sparse_mla", "moe", "fp8_gemm")}
+    names = {op: "triton" for op in ("indexer", "sparse_mla", "moe", "fp8_gemm", "draft_attention")}
     return Kernels({**names, "kv_store": "torch", "sampling": "torch"})
 
 

@@ -99,6 +99,10 @@ class ServerArgs:
     speculative_num_steps: int | None = None
     speculative_eagle_topk: int | None = None
     speculative_num_draft_tokens: int | None = None
+    speculative_draft_model_path: str | None = None  # DFLASH (dsaserve/dflash_args.py)
+    speculative_dflash_block_size: int | None = None
+    speculative_draft_window_size: int | None = None
+    speculative_draft_attention_backend: str | None = None
     # HiCache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0
@@ -246,6 +250,8 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
             raise ArgsError("--speculative-num-steps/-eagle-topk/-num-draft-tokens need "
                             "--speculative-algorithm EAGLE (or NEXTN)")  # fmt: skip
         return None
+    if args.speculative_algorithm in ("DFLASH", "DFLASH2"):
+        return None  # no MTP steps: a separate drafter (dsaserve/dflash_args.py)
     if args.speculative_algorithm not in ("EAGLE", "NEXTN"):
         raise ArgsError(f"--speculative-algorithm {args.speculative_algorithm} is not supported: "
                         "use EAGLE (or its alias NEXTN), which drafts with the checkpoint's MTP "
@@ -345,10 +351,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--disable-native-decode", **on)
     f("--enable-torch-compile", **on)
     f("--threads", type=int)
-    f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH2"])
+    f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH", "DFLASH2"])
     f("--speculative-num-steps", type=int)
     f("--speculative-eagle-topk", type=int)
     f("--speculative-num-draft-tokens", type=int)
+    f("--speculative-draft-model-path", "--speculative-draft-model")
+    f("--speculative-dflash-block-size", type=int)
+    f("--speculative-draft-window-size", type=int)
+    f("--speculative-draft-attention-backend")
     f("--enable-hierarchical-cache", **on)
     f("--hicache-ratio", type=float)
     f("--hicache-size", type=int)

@@ -190,6 +190,11 @@ def _indexer_types(raw: dict, layers: int) -> list[str]:
     return types
 
 
+def rope_from_hf(raw: dict, dim: int) -> RopeConfig:
+    """The RoPE of any HF config (`rope_parameters` / `rope_scaling`) over `dim` rotated dims."""
+    return _rope({**raw, "qk_rope_head_dim": dim})
+
+
 def _rope(raw: dict) -> RopeConfig:
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-reasoning-parser", dest="reasoning_parser", action="store_false")
     a("--no-tool-call-parser", dest="tool_call_parser", action="store_false")
     a("--speculative", default="auto", choices=layout.SPECULATIVE)
+    a("--draft-model", help="--speculative dflash2: the DFlash drafter (default: the model's)")
     a("--kv-cache-dtype", default="auto", choices=layout.KV_DTYPES)
     a("--input-len", type=int, default=8192, help="tokens a request brings")
     a("--output-len", type=int, default=1024, help="tokens a request generates")

@@ -30,6 +30,7 @@ OUTSIDE = 8  # the floor of bench/, scripts/, tests/: above the package
 FLOORS = {
     1: (
         "args",
+        "dflash_args",
         "sampling_params",
         "model_config",
         "process_tree",

@@ -26,6 +26,37 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32De
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
 
 
+def mixed_prompts() -> list[list[int]]:
+    """Seven seeded random prompts of mixed lengths (1 to 40 tokens) over a 380-token range."""
+    generator = torch.Generator().manual_seed(7)
+    lengths = [3, 9, 17, 40, 5, 1, 21]
+    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+
+
+def check_native_verify(monkeypatch) -> list[int]:
+    """Make every native verify (`ModelRunner.run_verify` on the native decode layers) also run
+    the layered model on the same batch and assert the same logits and states (fp32, 1e-4);
+    returns the row counts of the verifies checked (filled as they run)."""
+    from dsaserve.engine.model_runner import ModelRunner
+
+    native_run, checked = ModelRunner.run_verify, []
+
+    def both(self, batch, rows, taps=()):
+        logits, states = native_run(self, batch, rows, taps)
+        step = self.decode_step
+        if self.graphs is None and step is not None and step.accepts(batch):  # it ran natively
+            hidden = self.run_target(batch, taps)
+            width = hidden.shape[1] // (1 + len(taps))
+            want = hidden[:, width:] if taps else hidden
+            assert torch.allclose(states, want, atol=1e-4, rtol=1e-4)
+            assert torch.allclose(logits, self.model.logits(hidden[rows, :width]), atol=1e-4)
+            checked.append(len(rows))
+        return logits, states
+
+    monkeypatch.setattr(ModelRunner, "run_verify", both)
+    return checked
+
+
 def make_mtp_checkpoint(
     folder: Path, kind: str = "glm", seed: int = 0, mode: str = "echo", **overrides
 ) -> Path:

@@ -153,6 +153,25 @@ def test_speculative_verify_runs_in_the_row_buckets(tmp_path, forced_graphs):
     assert max(rows for rows, _ in forced_graphs) > 3  # verify forwards: 3 rows a request
 
 
+def test_dflash_verify_with_taps_runs_in_the_row_buckets(tmp_path, forced_graphs):
+    """DFLASH's verify (block 4: R * 4 rows) replays the graphs built with the drafter's target
+    layers, whose outputs come back beside the final hidden states: plain decoding's tokens."""
+    from dflash_models import write_drafter
+
+    folder = make_checkpoint(tmp_path / "ckpt", "glm", seed=3)
+    drafter = write_drafter(tmp_path / "drafter", folder, seed=1, block_size=4)
+    prompts = _prompts(3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLM(str(folder), max_total_tokens=4096, page_size=4, disable_cuda_graph=True)
+    want = [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(str(folder), max_total_tokens=4096, page_size=4, speculative_algorithm="DFLASH",
+               speculative_draft_model_path=str(drafter))  # fmt: skip
+    assert 16 in spec.engine.runner.graphs.rows  # bucket 4 x 4 rows: 3 verifying pad into it
+    got = [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert max(rows for rows, _ in forced_graphs) > 4  # verify forwards: 4 rows a request
+
+
 # ---- no host synchronisation: the step on the meta device -----------------------------------
 
 

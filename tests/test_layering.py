@@ -26,6 +26,7 @@ ASSETS = {  # what the package reads at run time
     "default_model/config.json", "default_model/generation_config.json",
     "default_model/model.safetensors", "default_model/tokenizer.json",
     "default_model/tokenizer_config.json", "default_model/chat_template.jinja",
+    "default_dflash/config.json", "default_dflash/model.safetensors",
 }  # fmt: skip
 
 

@@ -6,6 +6,7 @@ The commands come from the planner itself, over every hardware and built-in mode
 and the options that change the printed flags (speculative, KV dtype, HiCache, PD role), plus
 the CPU plan of a tiny checkpoint folder. Each is rewritten only where this machine differs: the
 model path (a tiny random GLM checkpoint with an MTP layer, heads and experts divisible by 4),
+the DFLASH drafter path (a random published-format DFlash2 drafter for that checkpoint),
 `--host` and `--port` (an OS-chosen port; the harness also sets a 4096-token KV pool, which is
 what `--mem-fraction-static`, a GPU's share, would size). One command per distinct layout is
 started (the one with the most flags; see STARTED), sent three requests at once with the openai
@@ -23,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from dflash_models import write_drafter
 from server_harness import group_members, make_server_checkpoint, running_server
 from speculative_models import add_mtp_layer
 from test_plan_rules import write_tiny_config
@@ -32,7 +34,7 @@ from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
-from dsaserve.runtime.preflight import check_layout
+from dsaserve.runtime.preflight import check_layout, check_speculative_model, checkpoint_config
 from dsaserve.server import launch
 
 HOSTABLE = 4  # ranks this machine runs (two cores; tests run up to 4 ranks)
@@ -47,14 +49,13 @@ OPTIONS = {
 REFUSED = {
     "--enable-hierarchical-cache with --tp": "hicache",
     "--disaggregation-mode with --tp": "pd",
-    "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }
-REWRITTEN = ("--model-path", "--host", "--port")
+REWRITTEN = ("--model-path", "--host", "--port", "--speculative-draft-model-path")
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
 # Started: each layout once, with and without speculation between them (the DP-attention layouts
 # both ways); the other commands of a layout pass the same start-up checks.
 STARTED = ("tp4 dp1 ep1 dpa0 eagle", "tp4 dp4 ep4 dpa1 plain", "tp4 dp4 ep1 dpa1 eagle",
-           "tp1 dp1 ep1 dpa0 plain")  # fmt: skip
+           "tp1 dp1 ep1 dpa0 plain", "tp4 dp1 ep1 dpa0 dflash")  # fmt: skip
 
 
 def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]]:
@@ -73,16 +74,24 @@ def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]
             for command in p.commands:
                 if command.role != "router":
                     key = f"tp{lay.tp} dp{lay.dp} ep{lay.ep} dpa{int(lay.dp_attention)}"
-                    key += " eagle" if lay.speculative else " plain"
+                    spec = lay.speculative
+                    key += (
+                        f" {'dflash' if spec.algorithm == 'DFLASH' else 'eagle'}"
+                        if spec
+                        else " plain"
+                    )
                     key += f" {command.role}" if command.role != "serve" else ""
                     out.append((key, shlex.split(command.dsaserve)[2:]))
     return out
 
 
-def rewrite(argv: list[str]) -> list[str]:
-    """The command's flags for this machine: model path, host and port left to the harness."""
+def rewrite(argv: list[str], drafter: str) -> list[str]:
+    """The command's flags for this machine: model path, host and port left to the harness, the
+    DFLASH drafter (the guide's is not on this machine) a random one in the published format."""
     out, i = [], 0
     while i < len(argv):
+        if argv[i] == "--speculative-draft-model-path":
+            out += [argv[i], drafter]
         if argv[i] in REWRITTEN:
             i += 2
             continue
@@ -97,6 +106,7 @@ def start_check(flags: list[str], model: str) -> str | None:
         args = ServerArgs.from_cli(["--model-path", model, *flags])
         check_layout(args)
         speculative_settings(args)
+        check_speculative_model(args, checkpoint_config(args))  # DFLASH: the drafter fits
     except ArgsError as e:
         return str(e)
     return None
@@ -108,7 +118,14 @@ def checkpoint(tmp_path_factory):
     return add_mtp_layer(folder, seed=1)
 
 
-def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_factory, capsys):
+@pytest.fixture(scope="module")
+def drafter(checkpoint, tmp_path_factory):
+    return str(write_drafter(tmp_path_factory.mktemp("plan_serve") / "dflash2", checkpoint,
+                             block_size=8))  # fmt: skip
+
+
+def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, drafter, tmp_path_factory,
+                                                           capsys):  # fmt: skip
     tiny = write_tiny_config(tmp_path_factory.mktemp("plan_cpu") / "tiny")
     pairs = [(hw, m) for hw in HARDWARE if not HARDWARE[hw].is_cpu for m in BUILTIN_MODELS]
     found = planned(pairs) + planned([("CPU", str(tiny))], input_len=64, output_len=32)
@@ -120,7 +137,7 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
     runnable: dict[str, list[str]] = {}
     refused: set[str] = set()
     for key, argv in found:
-        flags = rewrite(argv)
+        flags = rewrite(argv, drafter)
         refusal = start_check(flags, model)
         if refusal is not None:
             kinds = [kind for text, kind in REFUSED.items() if text in refusal]

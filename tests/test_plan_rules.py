@@ -206,8 +206,23 @@ def test_amd_balanced_long_input_keeps_32768():
 
 
 def test_dflash2_without_dp_attention_is_planned():
+    """SGLang's spelling (DFLASH) with the guide's drafter; the block size is the drafter's, so
+    no --speculative-num-draft-tokens; both printed lines carry the same flags."""
     p = plan(R(recipe="low-latency", speculative="dflash2"))
-    assert serve_args(p).speculative_algorithm == "DFLASH2"
+    args = serve_args(p)
+    assert args.speculative_algorithm == "DFLASH"
+    assert args.speculative_draft_model_path == "incoai/GLM-5.3-DFlash2"
+    assert args.speculative_num_draft_tokens is None and args.speculative_num_steps is None
+    command = p.commands[0]
+    assert command.sglang.split()[2:] == command.dsaserve.split()[2:]
+    assert (
+        "--speculative-algorithm DFLASH --speculative-draft-model-path incoai/GLM-5.3-DFlash2"
+        in command.sglang
+    )
+    own = plan(R(model="GLM-5.3", speculative="dflash2", draft_model="/models/my-dflash"))
+    assert serve_args(own).speculative_draft_model_path == "/models/my-dflash"
+    with pytest.raises(Refusal, match="no DFlash drafter is known for DeepSeek-V3.2"):
+        plan(R(model="DeepSeek-V3.2", speculative="dflash2"))
 
 
 def test_auto_nodes_names_what_blocks_the_bigger_layout():

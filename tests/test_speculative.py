@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from speculative_models import make_mtp_checkpoint
+from speculative_models import check_native_verify, make_mtp_checkpoint, mixed_prompts
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.io import GenerateRequest
@@ -30,9 +30,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    generator = torch.Generator().manual_seed(7)
-    lengths = [3, 9, 17, 40, 5, 1, 21]
-    return [torch.randint(0, 380, (n,), generator=generator).tolist() for n in lengths]
+    return mixed_prompts()
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +93,17 @@ def test_oracle_drafts_greedy_identical(monkeypatch, checkpoint, prompts, plain,
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == plain
     assert llm.engine.stats()["avg_spec_accept_length"] > 1.3
+
+
+def test_native_verify_equals_layered(monkeypatch, checkpoint, prompts, plain):
+    """An all-decode verify runs the native decode layers, the final hidden states (what the
+    MTP layer reads) copied out as the last layer's tap: logits and states equal the layered
+    model's on the same batch, and the tokens are plain decoding's."""
+    checked = check_native_verify(monkeypatch)
+    llm = spec_llm(checkpoint, 3)
+    assert llm.engine.runner.decode_step.native is not None
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == plain
+    assert checked and max(checked) > 4  # several requests' verify runs in one native call
 
 
 def test_retraction_with_tiny_kv(monkeypatch, checkpoint, prompts, plain):

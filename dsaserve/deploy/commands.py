@@ -13,6 +13,7 @@ FLAG_ORDER = [
     "--model-path", "--tp", "--dp", "--ep", "--enable-dp-attention", "--moe-a2a-backend",
     "--reasoning-parser", "--tool-call-parser", "--speculative-algorithm",
     "--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens",
+    "--speculative-draft-model-path",
     "--kv-cache-dtype", "--dsa-prefill-backend", "--dsa-decode-backend", "--enable-prefill-cp",
     "--cp-strategy", "--attn-cp-size", "--chunked-prefill-size", "--max-running-requests",
     "--mem-fraction-static",
@@ -53,7 +54,7 @@ def serve_flags(lay: Layout) -> dict[str, str | None]:
         flags["--tool-call-parser"] = m.tool_call_parser
     if spec:
         flags["--speculative-algorithm"] = spec.algorithm
-        for name in ("num_steps", "eagle_topk", "num_draft_tokens"):
+        for name in ("num_steps", "eagle_topk", "num_draft_tokens", "draft_model_path"):
             if getattr(spec, name) is not None:
                 flags["--speculative-" + name.replace("_", "-")] = str(getattr(spec, name))
     if not lay.hardware.is_cpu:

@@ -48,6 +48,7 @@ class PlanRequest:
     reasoning_parser: bool = True
     tool_call_parser: bool = True
     speculative: str = "auto"
+    draft_model: str | None = None  # --speculative dflash2: the drafter (default: the model's)
     kv_cache_dtype: str = "auto"
     input_len: int = 8192
     output_len: int = 1024
@@ -104,8 +105,11 @@ class Speculative(NamedTuple):
     num_steps: int | None = None
     eagle_topk: int | None = None
     num_draft_tokens: int | None = None
+    draft_model_path: str | None = None  # DFLASH: the drafter; its block size is its own
 
     def describe(self) -> str:
+        if self.draft_model_path is not None:
+            return f"{self.algorithm} ({self.draft_model_path})"
         if self.num_steps is None:
             return self.algorithm
         return f"{self.algorithm} {self.num_steps}/{self.eagle_topk}/{self.num_draft_tokens}"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsaserve.assets import default_drafter_path, default_model_path
 from dsaserve.deploy.hardware import PlanError
 
 PRECISIONS = ("fp8", "bf16", "nvfp4", "fp32")
@@ -45,6 +46,7 @@ class ModelSpec:
     num_nextn_predict_layers: int
     max_position_embeddings: int
     tie_word_embeddings: bool = False
+    dflash_drafter: str | None = None  # a published DFlash / DFlash2 drafter for this model
 
     @property
     def family(self) -> str:
@@ -80,13 +82,19 @@ _DEEPSEEK_V32 = dict(
     max_position_embeddings=163840,
 )  # fmt: skip
 
+# the deployment guide's DFlash2 drafter (block size 8 in its dflash_config)
+_GLM53_DRAFTER = dict(dflash_drafter="incoai/GLM-5.3-DFlash2")
 # GLM-5.3 keeps GLM-5's sizes (model.md §1); only rope_theta (8e6) differs, which planning ignores.
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     m.name: m
     for m in [
-        ModelSpec("GLM-5.3", "zai-org/GLM-5.3", precision="fp8", **_GLM5),
-        ModelSpec("GLM-5.3-BF16", "zai-org/GLM-5.3-BF16", precision="bf16", **_GLM5),
-        ModelSpec("GLM-5.3-NVFP4", "nvidia/GLM-5.3-NVFP4", precision="nvfp4", **_GLM5),
+        ModelSpec("GLM-5.3", "zai-org/GLM-5.3", precision="fp8", **_GLM5, **_GLM53_DRAFTER),
+        ModelSpec(
+            "GLM-5.3-BF16", "zai-org/GLM-5.3-BF16", precision="bf16", **_GLM5, **_GLM53_DRAFTER
+        ),
+        ModelSpec(
+            "GLM-5.3-NVFP4", "nvidia/GLM-5.3-NVFP4", precision="nvfp4", **_GLM5, **_GLM53_DRAFTER
+        ),
         ModelSpec("DeepSeek-V3.2", "deepseek-ai/DeepSeek-V3.2", precision="fp8", **_DEEPSEEK_V32),
     ]
 }
@@ -117,7 +125,10 @@ def _from_checkpoint(path: Path) -> ModelSpec:
     except (OSError, ValueError) as e:
         raise PlanError(f"--model {path}: cannot read {config_file}: {e}") from e
     folder = config_file.parent
-    return spec_from_config(config, name=folder.name, model_path=str(folder), folder=folder)
+    spec = spec_from_config(config, name=folder.name, model_path=str(folder), folder=folder)
+    if folder.resolve() == default_model_path().resolve():  # it ships its DFlash2 drafter
+        spec = dataclasses.replace(spec, dflash_drafter=str(default_drafter_path()))
+    return spec
 
 
 def spec_from_config(

@@ -214,12 +214,18 @@ def _mtp_nextn(lay: Layout) -> str | None:
 
 @rule(
     "speculative",
-    "--speculative auto follows the recipe; mtp forces MTP (1/1/2 if the recipe has none).",
+    "--speculative auto follows the recipe; mtp forces MTP (1/1/2 if the recipe has none); "
+    "dflash2 drafts with the model's DFlash2 drafter (SGLang's DFLASH; --draft-model overrides).",
 )
 def _speculative(lay: Layout) -> str:
     choice = lay.request.speculative
     if choice == "dflash2":
-        lay.speculative = Speculative("DFLASH2")
+        drafter = lay.request.draft_model or lay.model.dflash_drafter
+        if drafter is None:
+            raise Refuse(f"--speculative dflash2: no DFlash drafter is known for "
+                         f"{lay.model.name}; pass --draft-model PATH")  # fmt: skip
+        # SGLang's spelling (DFlash2 drafters run as DFLASH); the block size is the drafter's
+        lay.speculative = Speculative("DFLASH", draft_model_path=drafter)
     elif choice == "mtp":
         lay.speculative = lay.recipe_mtp or BALANCED_MTP
     else:
@@ -227,9 +233,9 @@ def _speculative(lay: Layout) -> str:
     return lay.speculative.describe() if lay.speculative else "off"
 
 
-@rule("dflash2-no-dp-attention", "DFlash2 drafting refuses DP attention.")
+@rule("dflash2-no-dp-attention", "DFlash2 drafting refuses DP attention (as SGLang's DFLASH).")
 def _dflash2(lay: Layout) -> str | None:
-    if lay.speculative and lay.speculative.algorithm == "DFLASH2" and lay.dp_attention:
+    if lay.speculative and lay.speculative.algorithm == "DFLASH" and lay.dp_attention:
         raise Refuse(f"--speculative dflash2 with the {lay.request.recipe} recipe's DP attention")
     return None
 

@@ -124,8 +124,9 @@ class CudaGraphRunner:
     """Decode steps through per-bucket CUDA graphs of `StaticDecode` (eager with capture=False)."""
 
     def __init__(self, model: nn.Module, pool: KVPool, kernels: Kernels, rows: list[int],
-                 max_context: int, scratch: int, capture: bool) -> None:  # fmt: skip
-        self.forward = StaticDecode(model).forward
+                 max_context: int, scratch: int, capture: bool,
+                 taps: tuple[int, ...] = ()) -> None:  # fmt: skip
+        self.forward = StaticDecode(model, taps).forward  # taps: a DFlash drafter's layers
         self.pool, self.kernels, self.capture = pool, kernels, capture
         self.rows = rows
         self.contexts = context_buckets(max_context)
@@ -138,7 +139,8 @@ class CudaGraphRunner:
 
     @classmethod
     def build(cls, model: nn.Module, pool: KVPool, kernels: Kernels, max_bs: int | None,
-              running: int, spec_steps: int, disabled: bool) -> CudaGraphRunner | None:  # fmt: skip
+              running: int, spec_steps: int, disabled: bool,
+              taps: tuple[int, ...] = ()) -> CudaGraphRunner | None:  # fmt: skip
         """The runner for this engine, or None: disabled, not CUDA, or a model / pool the static
         forward does not cover (several ranks, a layer-split cache)."""
         device = pool.index_cache.device
@@ -152,7 +154,9 @@ class CudaGraphRunner:
             return None
         rows = row_buckets(max_bs or min(running, MAX_DEFAULT_BS), spec_steps)
         scratch = page[0] * pool.page_size
-        return cls(model, pool, kernels, rows, pool.num_tokens, scratch, device.type == "cuda")
+        return cls(
+            model, pool, kernels, rows, pool.num_tokens, scratch, device.type == "cuda", taps
+        )
 
     def bucket(self, batch: ForwardBatch) -> Bucket | None:
         """The bucket an all-decode batch replays in, or None (run it eagerly)."""
@@ -173,7 +177,8 @@ class CudaGraphRunner:
                 "captured": len(self.graphs), "steps": self.steps}  # fmt: skip
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:
-        """Hidden states [T, H] of the batch's rows (a copy: the graph's output is reused)."""
+        """Hidden states [T, H] of the batch's rows (a copy: the graph's output is reused);
+        with taps, [T, H * (1 + len(taps))] as `StaticDecode.forward`."""
         bucket = self.bucket(batch)
         if bucket is None:
             raise ValueError("this batch fits no CUDA-graph bucket; check accepts() first")

@@ -15,11 +15,13 @@ import torch
 from transformers import AutoTokenizer
 
 from dsaserve.args import ServerArgs
+from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.admission import check_params, check_request, sampling_params
 from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
+from dsaserve.engine.dflash_setup import block_size, build_decoder, load_dflash
 from dsaserve.engine.grammar_gate import GrammarGate
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.model_runner import ModelRunner
@@ -57,6 +59,7 @@ class Engine:
             torch.set_num_threads(default_threads(args.threads))
         elif args.threads is not None:
             torch.set_num_threads(args.threads)
+        self.dflash = dflash_settings(args)  # DFLASH: a separate block drafter (engine/dflash.py)
         self._init_shard(build_shard(args, self.parallel, show_progress))
         self._init_runner()
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
@@ -81,6 +84,9 @@ class Engine:
         self.fp8_ranks = shard.fp8_ranks  # every rank's FP8 report (FP8 checkpoints)
         self.fp8_linears, self.fp8_experts = shard.fp8_kept.linears, shard.fp8_kept.expert_layers
         self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
+        self.drafter = None  # the DFLASH drafter runs on this (the group's first) rank only
+        if self.dflash is not None:
+            self.drafter = load_dflash(self.dflash, self.model_config, self.dtype, self.device)
         self.kv_dtype = kv_dtype_name(self.pool.index_cache.dtype)  # the stored form
         self.kv_bytes_per_token = shard.kv_bytes_per_token
         if self.parallel.world > 1:
@@ -96,20 +102,23 @@ class Engine:
         """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
         cfg, args, mtp, page_size = self.model_config, self.args, self.with_mtp, self.pool.page_size
         stored = self.pool.index_cache.dtype  # the pool's storage dtype (uint8: FP8)
-        default_running = 48 if mtp else (256 if self.device.type == "cuda" else 64)
+        speculative = mtp or self.drafter is not None
+        default_running = 48 if speculative else (256 if self.device.type == "cuda" else 64)
         running = args.max_running_requests or default_running  # 48: SGLang's with speculation
+        drafts = block_size(self.dflash, self.drafter) - 1 if self.drafter else self.spec_steps
+        taps = self.drafter.config.target_layer_ids if self.drafter else ()
         self.graphs = None  # CUDA-graph decode (engine/cuda_graph.py); takes one scratch page
         if self.parallel.world == 1:
             self.graphs = CudaGraphRunner.build(self.model, self.pool, self.kernels,
-                                                args.cuda_graph_max_bs, running, self.spec_steps,
-                                                args.disable_cuda_graph)  # fmt: skip
+                                                args.cuda_graph_max_bs, running, drafts,
+                                                args.disable_cuda_graph, taps)  # fmt: skip
         reserved = page_size if self.graphs is not None else 0
-        # Why the reserve: a verify run computes steps + 1 tokens past the last kept one.
+        # Why the reserve: a verify run computes drafts + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
-                      self.pool.num_tokens - reserved - self.spec_steps)  # fmt: skip
+                      self.pool.num_tokens - reserved - drafts)  # fmt: skip
         self.context_length = context
         chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
-        config = SchedulerConfig(running, chunk, context, decode_tokens=self.spec_steps + 1)
+        config = SchedulerConfig(running, chunk, context, decode_tokens=drafts + 1)
         self.scheduler = Scheduler(config, self.pool, self.cache)
         # The fused decode path reads the pool and the weights itself: only over the torch
         # kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an
@@ -125,6 +134,9 @@ class Engine:
         if mtp:
             share = cfg.index_share_for_mtp_iteration
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
+        if self.drafter is not None:
+            self.spec = build_decoder(self.runner, self.drafter, self.kernels,
+                                      self.pool.num_tokens, self.dflash)  # fmt: skip
 
     def _make_cache(self, page_size: int) -> RadixCache:
         if not self.args.enable_hierarchical_cache:

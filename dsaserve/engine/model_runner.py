@@ -63,13 +63,34 @@ class ModelRunner:
         return step.fused.decode_logits(ids, positions, slots, self.pool.kv_cache,
                                         self.pool.index_cache, max(scheduled.starts))  # fmt: skip
 
-    def run_target(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_target(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify
-        batch): its CUDA graph where one fits, else the layered model."""
+        batch): its CUDA graph where one fits, else the layered model. With `taps` (the graphs
+        were built with the same), [final ‖ tapped layers] per row (`join_taps`)."""
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs(batch)
         with forward_context(batch):
-            return self.model()
+            return self.model(taps) if taps else self.model()
+
+    def run_verify(self, batch: ForwardBatch, rows: torch.Tensor,
+                   taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """A speculative verify: (the logits [R, V] of `rows`, the states of every row): the
+        final hidden states [T, H] (EAGLE's MTP reads them), or with `taps` (a DFlash drafter's
+        target layers) those layers' [T, n * H]. Its CUDA graph where one fits; else an
+        all-decode batch runs the native layers where they are built (CPU: the states copied out
+        in the same C++ call, the final ones as the last layer's tap); else the layered model."""
+        step = self.decode_step
+        graphed = self.graphs is not None and self.graphs.accepts(batch)
+        if not graphed and step is not None and step.native is not None and step.accepts(batch):
+            final = (self.model.config.num_hidden_layers - 1,)
+            logits, states = step.fused.decode_logits(batch.input_ids, batch.positions,
+                                                      batch.decode_slots, self.pool.kv_cache,
+                                                      self.pool.index_cache,
+                                                      taps=taps or final)  # fmt: skip
+            return logits[rows], states
+        hidden = self.run_target(batch, taps)
+        width = hidden.shape[1] // (1 + len(taps))
+        return self.model.logits(hidden[rows, :width]), hidden[:, width:] if taps else hidden
 
     def build(
         self, scheduled: ScheduledBatch, as_decodes: list[bool] | None = None

@@ -2,7 +2,8 @@
 
 An op is FORWARD (a ForwardBatch), FORWARD_LOGITS (a ForwardBatch; the forward and then the
 logits of its `logits_rows`, in one round), MTP (a ForwardBatch, the hidden states fed to the MTP
-layer and an optional reused indexer Selection) or LOGITS (hidden rows). Its tensors travel as two
+layer and an optional reused indexer Selection), LOGITS (hidden rows) or EMBED (token ids: a DFlash
+drafter's block embeddings). Its tensors travel as two
 flat buffers: int64 (a shape header, then every integer/bool tensor) and float (every float
 tensor, in the model dtype). The KV pool tensors are never sent: every rank has its own.
 """
@@ -25,6 +26,7 @@ class Op(IntEnum):
     LOGITS = 3
     STOP = 4
     FORWARD_LOGITS = 5
+    EMBED = 6
 
 
 @dataclass
@@ -33,6 +35,9 @@ class OpInputs:
     batch: ForwardBatch | None = None
     hidden: torch.Tensor | None = None
     reuse: Selection | None = None
+    # FORWARD: target layers whose outputs the leader's forward also returns (DFlash); the
+    # other ranks run the same layers and need nothing of it, so it is not sent
+    taps: tuple[int, ...] = ()
 
     @property
     def logits_rows(self) -> int:
@@ -60,7 +65,7 @@ def _tensors(inputs: OpInputs) -> list[torch.Tensor | None]:
                 torch.tensor([[e.q_start, e.q_len] for e in b.extends], dtype=torch.long)
                 .reshape(-1, 2)]  # fmt: skip
         out += [e.ctx_slots for e in b.extends]
-    if inputs.op in (Op.MTP, Op.LOGITS):
+    if inputs.op in (Op.MTP, Op.LOGITS, Op.EMBED):
         out.append(inputs.hidden)
     if inputs.op == Op.MTP:
         reuse = inputs.reuse
@@ -126,7 +131,7 @@ def _rebuild(op: Op, tensors, kv_cache, index_cache) -> OpInputs:
         extends = [ExtendSeq(int(s), int(n), next(tensors)) for s, n in ext.tolist()]
         inputs.batch = ForwardBatch(ids, positions, out_slots, extends, decode_rows, decode_slots,
                                     valid, logits_rows, kv_cache, index_cache)  # fmt: skip
-    if op in (Op.MTP, Op.LOGITS):
+    if op in (Op.MTP, Op.LOGITS, Op.EMBED):
         inputs.hidden = next(tensors)
     if op == Op.MTP:
         count = int(next(tensors)[0])
@@ -142,6 +147,8 @@ def empty(op: Op, hidden_size: int, dtype: torch.dtype, kv_cache, index_cache, d
     hidden = torch.zeros(0, hidden_size, dtype=dtype, device=device)
     if op == Op.LOGITS:
         return OpInputs(op, hidden=hidden)
+    if op == Op.EMBED:
+        return OpInputs(op, hidden=long)
     batch = ForwardBatch(long, long, long, [], long, long.view(0, 0),
                          long.view(0, 0).bool(), long, kv_cache, index_cache)  # fmt: skip
     return OpInputs(op, batch=batch, hidden=hidden if op == Op.MTP else None)

@@ -134,9 +134,11 @@ class RankRunner:
         model = self.model
         if inputs.op == Op.LOGITS:
             return model.logits(inputs.hidden)
+        if inputs.op == Op.EMBED:
+            return model.embed(inputs.hidden)
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
-                return model()
+                return model(inputs.taps)
             if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
                 hidden = model()
                 with self.parallel.rows(logits_rows):
@@ -180,8 +182,12 @@ class DistributedModel:
             if ran:
                 return result
 
-    def __call__(self) -> torch.Tensor:
-        return self._run(OpInputs(Op.FORWARD, batch=current_batch()))
+    def __call__(self, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        return self._run(OpInputs(Op.FORWARD, batch=current_batch(), taps=taps))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of `input_ids` (vocab-parallel: a round of its own)."""
+        return self._run(OpInputs(Op.EMBED, hidden=input_ids))
 
     def forward_logits(self) -> torch.Tensor:
         """The installed batch's forward and the logits of its `logits_rows`, in one round

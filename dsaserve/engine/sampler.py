@@ -149,6 +149,21 @@ class Sampler:
             token_ids[row_idx] = _inverse_cdf(probs, self._uniforms(row_states, logits.device))
         return token_ids.tolist()
 
+    def distribution(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """[B, V] fp32, each sampled row's normalised distribution: what `__call__` draws it from
+        (grammar, penalties, min_tokens, then temperature / top-k / top-p / min-p). For
+        speculative rejection sampling; greedy rows are not meant (their draw is the argmax)."""
+        work = logits[:, : states[0].vocab_size].to(torch.float32, copy=True)
+        apply_grammars(work, states, constrained_rows(states), None)
+        _apply_penalties(work, states)
+        _mask_min_tokens(work, states)
+        probs = _filtered_probs(work, [s.params for s in states])
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def random(self, count: int) -> torch.Tensor:
+        """`count` U[0, 1) float64 draws from the shared (unseeded rows') generator."""
+        return torch.rand(count, generator=self._generator, dtype=torch.float64)
+
     def _uniforms(self, states: list[SamplingState], device: torch.device) -> torch.Tensor:
         """One U[0, 1) per row: from (seed, step) when seeded, else from the shared generator."""
         values = torch.rand(len(states), generator=self._generator, dtype=torch.float64).tolist()
@@ -258,6 +273,20 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     if bool(past_end.any()):
         chosen = torch.where(past_end, probs.argmax(dim=-1), chosen)
     return chosen
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature / top-k / top-p / min-p of fp32 logits [S, V], normalised (a speculative
+    drafter's q for sampled rows)."""
+    probs = _filtered_probs(logits.float(), params)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], states: list[SamplingState]
+) -> list[TokenLogprob | None]:
+    """The logprobs `__call__` reports for `token_ids` (rows asking for them; else None)."""
+    return _logprobs(logits[:, : states[0].vocab_size] if states else logits, token_ids, states)
 
 
 def _logprobs(

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from dsaserve.args import ServerArgs, speculative_settings
+from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.engine.dflash_setup import context_bytes_per_token
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.engine.startup import pick_device, pick_dtype, tokens_from_memory
 from dsaserve.kernels.kv_quant import resolve_kv_dtype
@@ -80,13 +82,16 @@ def rank_device(name: str, parallel: ParallelState) -> torch.device:
 def build_pool(args: ServerArgs, config: ModelConfig, with_mtp: bool, dtype: torch.dtype,
                device: torch.device, parallel: ParallelState) -> tuple[KVPool, int]:  # fmt: skip
     """The KV pool (and its bytes per token): its storage dtype from --kv-cache-dtype, its
-    pages from --max-total-tokens or the memory, agreed over the ranks."""
+    pages from --max-total-tokens or the memory, agreed over the ranks. A token also takes a
+    DFLASH drafter's context entry (engine/dflash_draft.py), beside the pool."""
     stored = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)
-    pages = pool_pages(args, config, with_mtp, stored, device, parallel)
+    dflash = dflash_settings(args)
+    extra = context_bytes_per_token(dflash, dtype) if dflash is not None else 0
+    pages = pool_pages(args, config, with_mtp, stored, device, parallel, extra)
     index_layers = len(index_cache_ids(config, with_mtp))
     pool = KVPool(config, pages, args.page_size or 64, index_layers, with_mtp, stored, device,
                   fp8=stored == torch.uint8, split=layer_split(args, parallel))  # fmt: skip
-    return pool, pool_bytes_per_token(config, with_mtp, stored)
+    return pool, pool_bytes_per_token(config, with_mtp, stored) + extra
 
 
 def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -119,9 +124,11 @@ def layer_split(args: ServerArgs, parallel: ParallelState):
 
 
 def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,
-               device: torch.device, parallel: ParallelState) -> int:  # fmt: skip
-    """KV pages; every rank computes it and the smallest wins, so all pools have one layout."""
-    per_token = pool_bytes_per_token(config, with_mtp, stored)
+               device: torch.device, parallel: ParallelState,
+               extra_per_token: int = 0) -> int:  # fmt: skip
+    """KV pages; every rank computes it and the smallest wins, so all pools have one layout.
+    `extra_per_token`: bytes a token also takes beside the pool (a DFlash drafter's context)."""
+    per_token = pool_bytes_per_token(config, with_mtp, stored) + extra_per_token
     tokens = args.max_total_tokens or tokens_from_memory(args, per_token, device)
     pages = max(tokens // (args.page_size or 64), 2)
     if parallel.world > 1:

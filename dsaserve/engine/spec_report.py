@@ -21,6 +21,16 @@ class SpecCounters:
     correct_drafts: int = 0
     proposed_drafts: int = 0
 
+    def count_verifies(self, reqs: list, emitted: list[int], drafts: int) -> None:
+        """One verify step of each of `reqs` (`drafts` proposed, `emitted[i]` tokens out), in
+        these counters and in each request's own."""
+        for req, tokens in zip(reqs, emitted):
+            req.spec_verify_ct += 1
+            req.spec_proposed_drafts += drafts
+            self.verify_ct += 1
+            self.proposed_drafts += drafts
+            self.verify_tokens += tokens
+
     def add(self, other: SpecCounters) -> None:
         for name in vars(self):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -37,8 +47,9 @@ class SpecCounters:
 class SpecReport:
     """Cumulative and windowed counters of one engine."""
 
-    def __init__(self, num_steps: int) -> None:
+    def __init__(self, num_steps: int, extra: dict | None = None) -> None:
         self.num_steps = num_steps
+        self.extra = extra or {}  # fixed keys the report adds (DFlash: algorithm, block size)
         self.total = SpecCounters()
         self.window = SpecCounters()
         self.window_start = time.perf_counter()
@@ -69,4 +80,5 @@ class SpecReport:
             "spec_accept_rate": self.total.accept_rate,
             "spec_verify_ct": self.total.verify_ct,
             "spec_num_steps": self.num_steps,
+            **self.extra,
         }

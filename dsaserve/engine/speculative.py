@@ -60,8 +60,9 @@ class Draft:
     selection: torch.Tensor | None  # [position + 1] bool: its indexer top-k (None: all)
 
 
-class _Layout:
-    """Row bookkeeping for one step: which entries verify, and where each entry's rows are."""
+class VerifyLayout:
+    """Row bookkeeping for one step: which entries verify (over `num_steps` drafts + the last
+    token), and where each entry's rows are (EAGLE and DFlash alike)."""
 
     def __init__(self, scheduled: ScheduledBatch, verify: list[bool], num_steps: int) -> None:
         self.verify = verify
@@ -72,8 +73,22 @@ class _Layout:
             self.offsets.append(row)
             row += e - s
 
+    def logits_rows(self, scheduled: ScheduledBatch, k: int) -> tuple[dict[int, int], list[int]]:
+        """({entry: index of its first logits row}, the hidden rows to take logits of): every
+        row of a verify run (k + 1), the last row of a chunk that ends its prompt."""
+        first_row: dict[int, int] = {}
+        rows: list[int] = []
+        for i, req in enumerate(scheduled.reqs):
+            if self.verify[i]:
+                first_row[i] = len(rows)
+                rows += range(self.offsets[i], self.offsets[i] + k + 1)
+            elif scheduled.ends[i] == len(req.fill_ids):
+                first_row[i] = len(rows)
+                rows.append(self.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
+        return first_row, rows
 
-def _plain(state: SamplingState) -> bool:
+
+def is_plain_greedy(state: SamplingState) -> bool:
     """Greedy with nothing that depends on the output so far (the sampler's argmax path).
 
     A grammar does depend on it: such rows are sampled one verify row at a time, each masked by
@@ -108,10 +123,11 @@ class SpecDecoder:
     def step(self, scheduled: ScheduledBatch, sampler: Sampler, append: Append) -> None:
         entries = zip(scheduled.reqs, scheduled.starts, scheduled.ends)
         verify = [self._can_verify(req) and e - s == 1 for req, s, e in entries]
-        layout = _Layout(scheduled, verify, self.num_steps)
+        layout = VerifyLayout(scheduled, verify, self.num_steps)
         drafts = self._draft([r for r, v in zip(scheduled.reqs, verify) if v])
-        hidden = self._verify_forward(scheduled, layout, drafts)
-        emitted = self._accept(scheduled, layout, drafts, hidden, sampler, append)
+        first_row, rows = layout.logits_rows(scheduled, self.num_steps)
+        logits, hidden = self._verify_forward(scheduled, layout, drafts, rows)
+        emitted = self._accept(scheduled, layout, drafts, first_row, logits, sampler, append)
         for i, req in enumerate(scheduled.reqs):
             req.kv_len = scheduled.starts[i] + emitted[i] if verify[i] else scheduled.ends[i]
         self._catch_up(scheduled, layout, hidden)
@@ -156,32 +172,25 @@ class SpecDecoder:
                 mask[row, : selection.shape[0]] = selection.cpu()
         return Selection([], mask.to(self.runner.device))
 
-    def _verify_forward(self, scheduled, layout: _Layout, drafts) -> torch.Tensor:
-        """Target hidden states [T, H] of the prefill chunks and verify runs."""
+    def _verify_forward(self, scheduled, layout: VerifyLayout, drafts, rows: list[int]):
+        """(the logits of `rows`, the target's final hidden states [T, H] of the prefill chunks
+        and verify runs)."""
         pending = iter(drafts)
         input_ids = [[req.fill_ids[-1], *next(pending)] if v else req.fill_ids[s:e]
                      for req, s, e, v in zip(scheduled.reqs, scheduled.starts, scheduled.ends,
                                              layout.verify)]  # fmt: skip
         run = ScheduledBatch(scheduled.reqs, scheduled.starts, layout.ends, input_ids)
         batch, _ = self.runner.build(run, as_decodes=layout.verify)
-        return self.runner.run_target(batch)  # a CUDA graph replay where one fits
+        picked = torch.tensor(rows, dtype=torch.long, device=self.runner.device)  # may be empty
+        return self.runner.run_verify(batch, picked)  # native layers, or a CUDA graph replay
 
-    def _accept(self, scheduled, layout: _Layout, drafts, hidden, sampler, append) -> list[int]:
+    def _accept(self, scheduled, layout: VerifyLayout, drafts, first_row, logits, sampler,
+                append) -> list[int]:  # fmt: skip
         """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""
         reqs, k = scheduled.reqs, self.num_steps
-        first_row: dict[int, int] = {}  # entry -> index of its first logits row
-        rows: list[int] = []
-        for i, req in enumerate(reqs):
-            if layout.verify[i]:
-                first_row[i] = len(rows)
-                rows += range(layout.offsets[i], layout.offsets[i] + k + 1)
-            elif scheduled.ends[i] == len(req.fill_ids):
-                first_row[i] = len(rows)
-                rows.append(layout.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
-        picked = torch.tensor(rows, dtype=torch.long, device=hidden.device)  # may be empty
-        logits = self.model.logits(hidden[picked])
         states = [reqs[i].sampling for i in first_row]
-        self._greedy_ids = logits.argmax(dim=-1).tolist() if all(map(_plain, states)) else None
+        plain = all(map(is_plain_greedy, states))
+        self._greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
         draft_of = dict(zip([i for i, v in enumerate(layout.verify) if v], drafts))
         emitted, active, step = [0] * len(reqs), list(first_row), SpecCounters()
         for r in range(k + 1):
@@ -201,12 +210,7 @@ class SpecDecoder:
                     if not reqs[i].finished:
                         still.append(i)
             active = still
-        for i in draft_of:
-            reqs[i].spec_verify_ct += 1
-            reqs[i].spec_proposed_drafts += k
-            step.verify_ct += 1
-            step.proposed_drafts += k
-            step.verify_tokens += emitted[i]
+        step.count_verifies([reqs[i] for i in draft_of], [emitted[i] for i in draft_of], k)
         self.report.add(step)
         return emitted
 
@@ -217,7 +221,7 @@ class SpecDecoder:
         result = sampler(logits[rows], states)
         return result.token_ids, result.logprobs
 
-    def _catch_up(self, scheduled, layout: _Layout, hidden: torch.Tensor) -> None:
+    def _catch_up(self, scheduled, layout: VerifyLayout, hidden: torch.Tensor) -> None:
         """MTP over [start, kv_len) of every entry; store the next round's first draft."""
         reqs, starts = scheduled.reqs, scheduled.starts
         ends = [req.kv_len for req in reqs]

@@ -62,10 +62,12 @@ class DecodeLayers {
 
   // Logits [T, vocab] of a step whose rows each decode one token: row t (token ids[t] at
   // position p = positions[t]) writes its entry and index key at slots[t, p] and attends
-  // slots[t, :p + 1]. cos / sin [positions, rope / 2] are the rotary tables.
+  // slots[t, :p + 1]. cos / sin [positions, rope / 2] are the rotary tables. `taps` (layer
+  // indices, a DFlash drafter's target layers) copy each layer's output into `tapped` [T,
+  // taps * hidden] fp32 (the last layer's after the final norm); none: `tapped` is empty.
   Tensor forward(const Tensor& ids, const Tensor& positions, const Tensor& slots,
                  const Tensor& kv_cache, const Tensor& index_cache, const Tensor& cos,
-                 const Tensor& sin) {
+                 const Tensor& sin, const std::vector<int64_t>& taps, const Tensor& tapped) {
     for (const Tensor* t : {&ids, &positions, &slots})
       TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "int64, contiguous");
     TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(),
@@ -96,6 +98,16 @@ class DecodeLayers {
     s.out_slots = out_slots_.data();
     s.kv_cache = &kv_cache;
     s.index_cache = &index_cache;
+    s.taps = &taps;
+    if (!taps.empty()) {
+      TORCH_CHECK(tapped.scalar_type() == torch::kFloat && tapped.is_contiguous() &&
+                      tapped.size(0) == rows &&
+                      tapped.size(1) == static_cast<int64_t>(taps.size()) * head_.hidden,
+                  "tapped: fp32 [rows, taps * hidden]");
+      for (const int64_t l : taps)
+        TORCH_CHECK(l >= 0 && l < num_layers(), "tap: a layer index");
+      s.tapped = tapped.data_ptr<float>();
+    }
     Tensor logits = torch::empty({rows, head_.vocab}, cos.options());
     s.logits = logits.data_ptr<float>();
     const int threads = std::max(1, std::min<int>(threads_ ? threads_ : at::get_num_threads(), 64));
@@ -105,6 +117,19 @@ class DecodeLayers {
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Layer l's output rows (`from` [T, hidden]) into each tapped column block naming l, for
+  // this thread's rows (the rows it wrote itself, so no barrier is needed).
+  static void tap(const Ctx& c, int64_t l, const float* from) {
+    const std::vector<int64_t>& taps = *c.s.taps;
+    const int64_t hidden = c.w.hidden, width = hidden * static_cast<int64_t>(taps.size());
+    const auto [b, e] = c.my_rows();
+    for (size_t k = 0; k < taps.size(); ++k) {
+      if (taps[k] != l) continue;
+      for (int64_t t = b; t < e; ++t)
+        std::copy_n(from + t * hidden, hidden, c.s.tapped + t * width + k * hidden);
+    }
+  }
 
   // The pool's threads for a step: 0 (the default) follows torch's intra-op thread count and
   // lets the chooser below fall back to one thread where that is faster; n > 0: always n.
@@ -123,8 +148,12 @@ class DecodeLayers {
     const std::function<void(int)> job = [&](int tid) {
       Ctx c{s, scratch_, p, tid, n};
       head_.embed_rows(c);
-      for (size_t l = 0; l < layers_.size(); ++l) layers_[l].forward(c, kv[l], keys[l]);
-      head_.logits(c);
+      const int64_t last = num_layers() - 1;
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        layers_[l].forward(c, kv[l], keys[l]);
+        if (static_cast<int64_t>(l) != last) tap(c, l, c.w.x.data());
+      }
+      head_.logits(c, [&] { tap(c, last, c.w.h.data()); });
     };
     const auto start = std::chrono::steady_clock::now();
     p.run(n, job);

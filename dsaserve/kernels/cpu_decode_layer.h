@@ -65,6 +65,8 @@ struct Step {
   const float *cos, *sin;
   const Tensor *kv_cache, *index_cache;
   float* logits;
+  const std::vector<int64_t>* taps = nullptr;  // layers whose outputs go to `tapped`
+  float* tapped = nullptr;  // [rows, taps * hidden]
 };
 
 struct Layer;
@@ -159,10 +161,13 @@ struct Head {
     }
   }
 
-  void logits(const Ctx& c) const {
+  // `normed` runs after this thread's rows are normed (the last layer's tap reads them).
+  template <typename F>
+  void logits(const Ctx& c, F normed) const {
     const auto [b, e] = c.my_rows();
     for (int64_t t = b; t < e; ++t)
       rms_norm(c.w.x.data() + t * hidden, hidden, norm, eps, c.w.h.data() + t * hidden);
+    normed();
     c.barrier();
     Job job = Job::linear(lm, c.s.rows, c.w.h.data(), hidden, c.s.logits, vocab);
     run_jobs(&job, 1, c.tid, c.nth);

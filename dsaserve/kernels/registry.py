@@ -9,6 +9,7 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
 | `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, triton, deep_gemm |
 | `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton, deep_gemm |
+| `draft_attention` (DFlash block) | `--speculative-draft-attention-backend` | torch, triton |
 
 `torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`
 takes our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
@@ -58,6 +59,10 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
         TORCH: "dsaserve.kernels.reference:fp8_linear",
         TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:fp8_linear",
+    },
+    "draft_attention": {
+        TORCH: "dsaserve.kernels.draft_attention:draft_attention",
+        TRITON: "dsaserve.kernels.triton_draft_attention:draft_attention",
     },
 }
 
@@ -147,6 +152,8 @@ def choose_kernels(args: object, device_type: str) -> Kernels:
         "moe": resolve("moe", get("moe_runner_backend"), device_type, "--moe-runner-backend"),
         "fp8_gemm": resolve("fp8_gemm", get("fp8_gemm_backend"), device_type,
                             "--fp8-gemm-backend"),
+        "draft_attention": resolve("draft_attention", get("speculative_draft_attention_backend"),
+                                   device_type, "--speculative-draft-attention-backend"),
     }  # fmt: skip
     prefill = get("dsa_prefill_backend")
     if prefill not in (None, "auto", "torch", "triton"):

@@ -199,13 +199,18 @@ class FusedDecode:
         return self.model.logits(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps))
 
     def decode_logits(self, ids, positions, slots, kv_cache, index_cache,
-                      last: int | None = None) -> torch.Tensor:  # fmt: skip
+                      last: int | None = None, taps: tuple[int, ...] = ()):  # fmt: skip
         """The native step: row t (token ids[t] at position p = positions[t]) writes its entry
         at slots[t, p] and attends slots[t, :p + 1]; returns fp32 logits [T, V]. `last`: the
-        largest position, where the caller knows it."""
+        largest position, where the caller knows it. With `taps` (a DFlash drafter's target
+        layers), (logits, [T, len(taps) * H] those layers' outputs, the last layer's after the
+        final norm, as `join_taps`)."""
         cos, sin = self.rotary_tables((int(positions.max()) if last is None else last) + 1)
-        return self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
-                                   cos, sin)  # fmt: skip
+        hidden = self.model.config.hidden_size
+        tapped = torch.empty(ids.shape[0], len(taps) * hidden) if taps else cpu_decode.NONE
+        logits = self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
+                                     cos, sin, list(taps), tapped)  # fmt: skip
+        return (logits, tapped) if taps else logits
 
     def rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos / sin [n, rope / 2] for positions 0..n-1 (n >= positions), grown by doubling."""

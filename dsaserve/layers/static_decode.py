@@ -31,14 +31,16 @@ from torch import nn
 
 from dsaserve.layers.forward_batch import current_batch
 from dsaserve.layers.moe import MoE
+from dsaserve.layers.taps import join_taps
 
 
 class StaticDecode:
     """The capturable decode forward of `model` (a loaded one-rank DsaMoeForCausalLM)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, taps: tuple[int, ...] = ()) -> None:
         self.model = model
         self.layers = model.model.layers[: model.config.num_hidden_layers]
+        self.taps = taps  # a DFlash drafter's target layers: their outputs join the result
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -53,17 +55,20 @@ class StaticDecode:
 
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
-        """Final normed hidden states [T, H] of the installed all-decode batch."""
+        """Final normed hidden states [T, H] of the installed all-decode batch (with taps,
+        [final ‖ tapped layers' outputs], as `DsaMoeForCausalLM.forward`)."""
         batch = current_batch()
         model = self.model
         x = model.model.embed_tokens(batch.input_ids)
         cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)
-        selection = None
-        for layer in self.layers:
+        selection, outputs = None, {}
+        for i, layer in enumerate(self.layers):
             attn, selection = layer.self_attn(layer.input_layernorm(x), cos, sin, selection)
             x = x + attn
             x = x + self._ffn(layer.mlp, layer.post_attention_layernorm(x))
-        return model.model.norm(x)
+            if i in self.taps:
+                outputs[i] = x
+        return join_taps(model.model.norm(x), outputs, self.taps, len(self.layers) - 1)
 
     @staticmethod
     def _ffn(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:

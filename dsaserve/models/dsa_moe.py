@@ -20,6 +20,7 @@ from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
 from dsaserve.layers.norm import RMSNorm
 from dsaserve.layers.rotary import Rotary
+from dsaserve.layers.taps import join_taps
 from dsaserve.model_config import ModelConfig
 
 
@@ -159,14 +160,18 @@ class DsaMoeForCausalLM(nn.Module):
         return self.model.layers[self.config.num_hidden_layers]
 
     @torch.inference_mode()
-    def forward(self) -> torch.Tensor:
+    def forward(self, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        """Final normed hidden states [T, H]; with `taps` (a DFlash drafter's target layers),
+        [final ‖ each tapped layer's output] [T, H * (1 + len(taps))] (see `join_taps`)."""
         batch = current_batch()
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        selection = None
-        for layer in self.model.layers[: self.config.num_hidden_layers]:
+        selection, outputs = None, {}
+        for i, layer in enumerate(self.model.layers[: self.config.num_hidden_layers]):
             x, selection = layer(x, cos, sin, selection)
-        return self.model.norm(x)
+            if i in taps:
+                outputs[i] = x
+        return join_taps(self.model.norm(x), outputs, taps, self.config.num_hidden_layers - 1)
 
     @torch.inference_mode()
     def forward_mtp(
@@ -182,6 +187,10 @@ class DsaMoeForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, embeds.dtype)
         out, selection = self.mtp.draft(embeds, hidden, cos, sin, reuse)
         return self.mtp.shared_head.norm(out), selection
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's token embeddings (a DFlash drafter's noise block), any shape of ids."""
+        return self.model.embed_tokens(input_ids.reshape(-1)).view(*input_ids.shape, -1)
 
     def forward_logits(self) -> torch.Tensor:
         """`forward`, then the logits of the installed batch's `logits_rows` [R, V]."""

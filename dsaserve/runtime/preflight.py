@@ -4,8 +4,9 @@
 `preflight` adds what needs the device or the checkpoint: flags this build parses (SGLang's names)
 but cannot run, an internal surface that would listen beyond loopback without the cluster secret
 (cluster/addresses.py), the parallel layout against the model's shapes (distributed/checks.py),
-the MTP layer speculation needs. `dsaserve serve` (every node) and the offline `LLM` call it;
-what they start afterwards (`Engine`, the ranks) trusts its arguments.
+the MTP layer EAGLE needs, the drafter DFLASH needs (its flags, and its fit to the target).
+`dsaserve serve` (every node) and the offline `LLM` call it; what they start afterwards
+(`Engine`, the ranks) trusts its arguments.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import json
 
 from dsaserve.args import ArgsError, ServerArgs, speculative_settings
 from dsaserve.cluster.addresses import exposure_error
+from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.checks import check_context_parallel, check_parallel, moe_backend_note
 from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.engine.startup import pick_device
 from dsaserve.kernels.registry import BackendError, choose_kernels
 from dsaserve.model_config import ConfigError, ModelConfig
+from dsaserve.models.dflash_config import DFlashConfig
 
 TRANSFER_BACKENDS = ("nixl", "mooncake")
 
@@ -27,7 +30,7 @@ def preflight(args: ServerArgs, offline: bool = False) -> list[str]:
     """Refuse what cannot run (ArgsError); return the notes to print at start. `offline`: the
     in-process `LLM` (no request sockets, so no DP attention groups)."""
     device_type = pick_device(args.device).type
-    speculative_settings(args)  # e.g. DFLASH2 (parsed as SGLang's) is refused here
+    speculative_settings(args)  # e.g. EAGLE3 (parsed as SGLang's) is refused here
     refuse_unrunnable(args, device_type)
     exposed = exposure_error(args)  # an internal surface beyond loopback needs the cluster secret
     if exposed:
@@ -85,6 +88,13 @@ def check_layout(
 
 def check_speculative_model(args: ServerArgs, config: ModelConfig | None) -> None:
     if config is None or args.speculative_algorithm is None:
+        return
+    dflash = dflash_settings(args)
+    if dflash is not None:  # a separate drafter: it must fit the target (one line, the field)
+        try:
+            DFlashConfig.from_dir(dflash.draft_path).check_fits(config)
+        except ConfigError as e:
+            raise ArgsError(str(e)) from None
         return
     if config.num_nextn_predict_layers < 1:
         raise ArgsError(

@@ -1,0 +1,57 @@
+"""Start-up of `--speculative-algorithm DFLASH`: the drafter loaded and checked against the
+target, its block size, its context entries' bytes per pool token, and the step decoder."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dsaserve.args import ArgsError
+from dsaserve.dflash_args import DFlashSettings
+from dsaserve.engine.dflash import DFlashDecoder
+from dsaserve.engine.dflash_draft import DraftContext, Drafter
+from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.kernels.registry import Kernels
+from dsaserve.model_config import ConfigError, ModelConfig
+from dsaserve.models.checkpoint_files import CheckpointError
+from dsaserve.models.dflash import DFlashDraftModel
+from dsaserve.models.dflash_config import DFlashConfig
+from dsaserve.models.dflash_loader import load_drafter
+
+logger = logging.getLogger(__name__)
+
+
+def load_dflash(settings: DFlashSettings, target: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> DFlashDraftModel:  # fmt: skip
+    """The drafter, fitted to the target; a misfit or unreadable folder as one-line ArgsError."""
+    try:
+        drafter = load_drafter(settings.draft_path, target, dtype, device)
+    except (ConfigError, CheckpointError) as e:
+        raise ArgsError(str(e)) from None
+    config = drafter.config
+    logger.info("DFlash drafter %s: %s, %d layers, block size %d (%s), target layers %s",
+                settings.draft_path, config.architecture, config.num_layers,
+                block_size(settings, drafter), "flag" if settings.block_size else "checkpoint",
+                list(config.target_layer_ids))  # fmt: skip
+    return drafter
+
+
+def block_size(settings: DFlashSettings, drafter: DFlashDraftModel) -> int:
+    """The verify window: --speculative-dflash-block-size, else the checkpoint's."""
+    return settings.block_size or drafter.config.block_size
+
+
+def context_bytes_per_token(settings: DFlashSettings, dtype: torch.dtype) -> int:
+    """The drafter's context bytes per pool token (read from its config alone)."""
+    return DraftContext.bytes_per_token(DFlashConfig.from_dir(settings.draft_path), dtype.itemsize)
+
+
+def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kernels,
+                  num_slots: int, settings: DFlashSettings) -> DFlashDecoder:  # fmt: skip
+    device = runner.device
+    dtype = drafter.fc.weight.dtype
+    context = DraftContext(drafter, num_slots, dtype, device)
+    block = block_size(settings, drafter)
+    proposer = Drafter(drafter, runner.model, context, kernels, block, settings.window)
+    return DFlashDecoder(runner, proposer, drafter.config.target_layer_ids)
