@@ -145,3 +145,20 @@ def test_native_verify_taps_equal_layered(monkeypatch, prompts, plain, target, t
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outputs] == plain
     assert checked and max(checked) > 4  # several requests' blocks in one native call
+
+
+def test_bf16_verify_on_native_layers(target, prompts, tmp_path):
+    """bf16 (how GLM-5.3's DFlash2 drafter is served): the native layers compute the verify in
+    fp32 and hand the drafter its taps in bf16; every request runs to its length, and greedy
+    tokens agree with plain bf16 decoding on most prompts (bf16 paths may part at a near-tie,
+    see test_tie_break_paths)."""
+    plain = LLM(str(target), dtype="bfloat16", **BASE)
+    want = [o.token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    drafter = write_drafter(tmp_path / "drafter", target, seed=1, block_size=4)
+    llm = _llm(target, drafter, dtype="bfloat16")
+    assert llm.engine.runner.decode_step.native is not None
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.finish_reason["type"] for o in outputs] == ["length"] * len(prompts)
+    assert llm.engine.stats()["spec_verify_ct"] > 0
+    equal = sum(o.token_ids == w for o, w in zip(outputs, want))
+    assert equal >= len(prompts) // 2, f"{equal} of {len(prompts)} prompts identical"

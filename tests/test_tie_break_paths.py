@@ -217,6 +217,7 @@ def test_bf16_paths_agree(family):
     for args in BF16_PATHS:
         outputs = generate(LLM(folder, **base, **args), prompts, NEW)
         for i, (out, want) in enumerate(zip(outputs, alone)):
+            assert out.finish_reason["type"] == "length", f"{args}: prompt {i}: {out.finish_reason}"
             same = [a == b for a, b in zip(out.token_ids, want.token_ids)] + [False]
             first = same.index(False)  # NEW when every token matches
             diff = max_diff(logprob_table(out)[: first + 1], logprob_table(want)[: first + 1])

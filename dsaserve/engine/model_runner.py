@@ -87,7 +87,9 @@ class ModelRunner:
                                                       batch.decode_slots, self.pool.kv_cache,
                                                       self.pool.index_cache,
                                                       taps=taps or final)  # fmt: skip
-            return logits[rows], states
+            # the native layers compute in fp32: hand the states on in the model's dtype, as the
+            # layered model's (a bf16 MTP layer or drafter multiplies them by bf16 weights)
+            return logits[rows], states.to(self.model.model.embed_tokens.weight.dtype)
         hidden = self.run_target(batch, taps)
         width = hidden.shape[1] // (1 + len(taps))
         return self.model.logits(hidden[rows, :width]), hidden[:, width:] if taps else hidden
