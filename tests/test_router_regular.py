@@ -17,6 +17,7 @@ from server_harness import Server
 
 pytestmark = requires_router
 MODEL = "glm-router-test"
+ROUTER_LOAD_POLL_S = 5
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in spring, briefly."}]
 
 
@@ -79,7 +80,9 @@ def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
             wait_for(lambda: httpx.get(a.url + "/get_load").json()[0]["num_reqs"] == holders,
                      60, "A busy")  # fmt: skip
             before = stats(b.url)["prompt_tokens"]
-            time.sleep(1.5)  # the router polls /get_load every second
+            # sglang-router's LoadMonitor polls /get_load every 5 s (hard-coded for power_of_two)
+            # and its first poll may come before A was busy: wait out one whole period
+            time.sleep(ROUTER_LOAD_POLL_S + 1)
             client = openai.OpenAI(base_url=r.base, api_key="none")
             sent = sum(
                 client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)

@@ -36,16 +36,16 @@ def edge_server(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def latencies_while(server: Server, work: threading.Thread, paths: list[str]) -> dict:
-    """Poll `paths` until `work` ends; the worst latency of each."""
-    worst = dict.fromkeys(paths, 0.0)
+    """Poll `paths` until `work` ends; each one's latencies, slowest first."""
+    seen: dict[str, list[float]] = {path: [] for path in paths}
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as client:
         while work.is_alive():
             for path in paths:
                 start = time.perf_counter()
                 assert client.get(path).status_code == 200
-                worst[path] = max(worst[path], time.perf_counter() - start)
+                seen[path].append(time.perf_counter() - start)
             time.sleep(0.02)
-    return worst
+    return {path: sorted(times, reverse=True) for path, times in seen.items()}
 
 
 def test_health_is_fast_while_a_30mb_body_is_rejected(edge_server: Server):
@@ -61,12 +61,12 @@ def test_health_is_fast_while_a_30mb_body_is_rejected(edge_server: Server):
 
     work = threading.Thread(target=send)
     work.start()
-    worst = latencies_while(edge_server, work, ["/health"])
+    worst = latencies_while(edge_server, work, ["/health"])["/health"][0]
     work.join()
     assert answer[0].status_code == 400, answer[0].text
     assert answer[0].json()["error"]["param"] == "messages"
-    print(f"/health worst latency during a 30 MB rejection: {worst['/health'] * 1000:.1f} ms")
-    assert worst["/health"] < LATENCY_LIMIT_S, worst
+    print(f"/health worst latency during a 30 MB rejection: {worst * 1000:.1f} ms")
+    assert worst < LATENCY_LIMIT_S, worst
 
 
 def test_stats_do_not_wait_for_a_step(edge_server: Server):
@@ -83,12 +83,15 @@ def test_stats_do_not_wait_for_a_step(edge_server: Server):
     while not scripted and time.monotonic() < deadline:  # admitted, inside a slow step
         info = httpx.get(edge_server.url + "/get_server_info", headers=AUTH).json()
         scripted = info["internal_states"][0]["num_scripted"]
-    worst = latencies_while(edge_server, work, ["/health", "/get_server_info", "/metrics"])
+    times = latencies_while(edge_server, work, ["/health", "/get_server_info", "/metrics"])
     work.join()
-    print(
-        "worst latencies during 1.5 s steps:", {k: f"{v * 1000:.1f} ms" for k, v in worst.items()}
-    )
-    assert max(worst.values()) < LATENCY_LIMIT_S, worst
+    print("worst two latencies during 1.5 s steps:",
+          {k: [f"{v * 1000:.1f} ms" for v in t[:2]] for k, t in times.items()})  # fmt: skip
+    # A route that waited for the step would be slow at least twice (the request runs three
+    # 1.5 s steps, each poll waiting for the next step's end); one slow poll is the 2-core CI
+    # machine descheduling the server (CI measured one 622 ms /health once, 4-12 ms here).
+    second = {path: t[1] if len(t) > 1 else 0.0 for path, t in times.items()}
+    assert max(second.values()) < LATENCY_LIMIT_S, times
     assert scripted == 1  # the published stats show the request while its steps run
 
 
