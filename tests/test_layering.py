@@ -4,12 +4,15 @@ The imports are read with `ast` (scripts/import_graph.py): every `import` and `f
 inside functions and under `TYPE_CHECKING` too, and the "module:attribute" strings registries
 import lazily. No cycle anywhere (the package, bench/, scripts/, tests/); no import from a floor
 to a higher one; every folder on a documented floor; the picture in docs/architecture.md is the
-one the imports draw; README's Layout names every file. Also: no source file over 400 lines, no
+one the imports draw; README's Layout names every file; every name imported from the package (or
+named by a registry string) is one its module defines. Also: no source file over 400 lines, no
 test double in the package, assets that hold only what the package loads at run time.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -53,6 +56,54 @@ def test_every_module_is_on_a_documented_floor():
         for unit in units:
             name = "dsaserve/__init__.py" if unit == "__init__" else unit
             assert f"`{name}" in row, f"floor {floor} of docs/architecture.md lacks {name}"
+
+
+def _defined(path: Path) -> set[str]:
+    """The names a module binds at its top level (under `if` and `try` too)."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+                if "__all__" in names and isinstance(node.value, ast.List):  # a lazy __getattr__'s
+                    names.update(e.value for e in node.value.elts if isinstance(e, ast.Constant))
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.If | ast.Try):
+                visit(node.body + node.orelse + getattr(node, "finalbody", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def test_every_imported_name_exists():
+    """A moved or renamed module leaves no import behind that only fails when its line runs
+    (a function-local import, a bench script no test imports, a registry string)."""
+    files, missing = import_graph.module_files(), []
+    packages = {n.rpartition(".")[0] for n in files}  # a folder without __init__.py too
+    defined = functools.cache(lambda module: _defined(files[module]) if module in files else set())
+    for source, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dsaserve"):
+                wanted = [(node.module, a.name) for a in node.names if a.name != "*"]
+            elif isinstance(node, ast.Import):
+                wanted = [(a.name, None) for a in node.names if a.name.startswith("dsaserve")]
+            elif isinstance(node, ast.Constant) and import_graph.LAZY.match(str(node.value)):
+                wanted = [tuple(node.value.split(":"))]
+            else:
+                continue
+            for module, name in wanted:
+                if module not in files and module not in packages:
+                    missing.append(f"{source}:{node.lineno}: no module {module}")
+                elif name and f"{module}.{name}" not in files and name not in defined(module):
+                    missing.append(f"{source}:{node.lineno}: {module} has no {name}")
+    assert missing == []
 
 
 def test_the_documented_picture_is_drawn_from_the_imports(edges):

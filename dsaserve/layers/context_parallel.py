@@ -77,23 +77,16 @@ class ContextParallel:
         batch, total = current_batch(), x.shape[0]
         mine = self.rows(total).to(x.device)
         xm, cm, sm = x[mine], cos[mine], sin[mine]
-        q_resid = attn.q_a_layernorm(attn.q_a_proj(xm))
-        q = attn.q_b_proj(q_resid).view(-1, attn.n_heads, attn.nope_dim + attn.rope_dim)
-        q_nope, q_pe = q.split([attn.nope_dim, attn.rope_dim], dim=-1)
-        latent, k_pe = attn.kv_a_proj_with_mqa(xm).split([attn.rank, attn.rope_dim], dim=-1)
-        k_pe = apply_rotary(k_pe, cm, sm, interleave=True)
+        q_resid, q_full, entry = attn.project(xm, cm, sm)
         cache = batch.kv_cache[attn.layer_id]
-        entry = torch.cat([attn.kv_a_layernorm(latent), k_pe], -1).to(cache.dtype)
-        cache.index_copy_(0, batch.out_slots, self.gather(entry, total))
+        cache.index_copy_(0, batch.out_slots, self.gather(entry.to(cache.dtype), total))
         fetch_layer(batch, attn.layer_id)  # LayerSplit: this layer's entries from their owner
         positions = self._positions(batch, total).to(x.device)[mine]
         if attn.indexer is not None:
             selection = self._index(attn.indexer, batch, xm, q_resid, cm, sm, positions)
         else:
             selection = shared
-        w_uk, w_uv = attn.absorbed()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        q_full = torch.cat([q_lat, apply_rotary(q_pe, cm, sm, interleave=True)], -1)
+        w_uv = attn.absorbed()[1]
         out = q_full.new_empty(q_full.shape[0], attn.n_heads, attn.rank)
         for seq, selected in zip(batch.extends, selection.extends):
             own = self._own_slice(seq.q_start, seq.q_len)

@@ -70,25 +70,33 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope_dim + self.v_dim, self.rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' projections: (q_resid, the indexer's query input; the absorbed queries
+        [T, H, rank + rope]; the rows' cache entries [T, rank + rope] = [latent || k_pe])."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(-1, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
+        k_pe = apply_rotary(k_pe, cos, sin, interleave=True)
+        entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, self.absorbed()[0])  # [T, H, rank]
+        q_full = torch.cat([q_lat, apply_rotary(q_pe, cos, sin, interleave=True)], -1)  # [T,H,576]
+        return q_resid, q_full, entry
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, shared: Selection | None
     ) -> tuple[torch.Tensor, Selection]:
         batch = current_batch()
         if self.cp is not None and self.cp.applies(batch):
             return self.cp.attention(self, x, cos, sin, shared)
-        q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(-1, self.n_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
-        k_pe = apply_rotary(k_pe, cos, sin, interleave=True)
+        q_resid, q_full, entry = self.project(x, cos, sin)
         cache = batch.kv_cache[self.layer_id]
-        entry = torch.cat([self.kv_a_layernorm(latent), k_pe], -1)  # [T, 576]
         KV_STORE.write_entry(cache, batch.out_slots, entry, self.rank)
         fetch_layer(batch, self.layer_id)  # LayerSplit: this layer's entries from their owner
         selection = self.indexer(x, q_resid, cos, sin) if self.indexer is not None else shared
-        w_uk, w_uv = self.absorbed()
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, rank]
-        q_full = torch.cat([q_lat, apply_rotary(q_pe, cos, sin, interleave=True)], -1)  # [T,H,576]
+        w_uv = self.absorbed()[1]
         out = q_full.new_empty(q_full.shape[0], self.n_heads, self.rank)
         for seq, selected in zip(batch.extends, selection.extends):
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
