@@ -192,6 +192,7 @@ def test_grammar_answers_keep_the_invariant(served: tuple[str, str], request):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=3, timeout=300)
     examples = REQUESTS // BATCH * (10 if request.config.getoption("--nightly") else 1)
     seen: dict[str, int] = {}
+    called: set[str] = set()  # kinds with an answer that made a call (cut ones too)
 
     # no shrinking: each step would be a batch of requests; the failing batch is printed whole
     @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
@@ -206,6 +207,8 @@ def test_grammar_answers_keep_the_invariant(served: tuple[str, str], request):
                 f"{body['kind']}/{'think' if body['thinking'] else 'plain'}/{choice.finish_reason}"
             )
             seen[key] = seen.get(key, 0) + 1
+            if choice.message.tool_calls:
+                called.add(body["kind"])
             problems = violations(body, choice)
             if problems:
                 wrong.append(f"{problems} for {json.dumps(body)[:400]} -> {choice.message}")
@@ -215,6 +218,10 @@ def test_grammar_answers_keep_the_invariant(served: tuple[str, str], request):
     print(family, dict(sorted(seen.items())))
     assert httpx.get(url + "/health", timeout=10).status_code == 200  # the engine lived
     assert sum(seen.values()) >= examples * BATCH
-    for kind in ("json_schema", "required", "named", "strict"):  # the requests exercised...
-        assert any(k.startswith(kind) and not k.endswith("length") for k in seen), seen
+    # the requests exercised each grammar: an answer it ended, or (strict tools under "auto",
+    # where the random model calls only when it happens to write the call's start, and the call
+    # is then often cut by max_tokens: 0 of 30 ended in one CI-like run) a call it constrained
+    for kind in ("json_schema", "required", "named", "strict"):
+        ended = any(k.startswith(kind) and not k.endswith("length") for k in seen)
+        assert ended or kind in called, (kind, seen, called)
     assert any(k.endswith("/stop") for k in seen) and any(k.endswith("length") for k in seen)
