@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from dsaserve.engine import dflash_native
 from dsaserve.engine.request import Req
 from dsaserve.engine.sampler import Sampler, filtered_probs
 from dsaserve.kernels.registry import Kernels
@@ -72,6 +73,8 @@ class Drafter:
         self.causal = config.causal
         self.scale = config.head_dim**-0.5
         self.mask_id = config.mask_token_id
+        # on CPU, the block forward as one C++ call (dflash_native.py); None: the torch path
+        self.native = dflash_native.build(drafter, context.cache, self.windows, self.scale)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], sampled: list[bool], sampler: Sampler) -> Proposals:
@@ -85,8 +88,13 @@ class Drafter:
         noise = self.target.embed(ids)
         if self.drafter.config.input_embedding_scale != 1.0:
             noise = noise * self.drafter.config.input_embedding_scale
-        attend = self._attend(reqs, positions)
-        hidden = self.drafter.block_hidden(noise, positions, attend)[:, 1:]  # [R, K, H]
+        if self.native is not None:
+            slots = [req.slots.contiguous() for req in reqs]
+            hidden = self.native.hidden(noise, positions, self.context.cache, slots,
+                                        [req.kv_len for req in reqs])  # fmt: skip
+        else:
+            hidden = self.drafter.block_hidden(noise, positions, self._attend(reqs, positions))
+        hidden = hidden[:, 1:]  # [R, K, H]
         raw = self._lm_head(hidden)  # [R, K, V] before the drafter's multiplier and softcap
         return self._choose(reqs, sampled, sampler, hidden, raw, ids[:, 0])
 
