@@ -55,7 +55,7 @@ def _setup(target, folder, dtype, block, window, lengths, seed=0):
     hidden, vocab = model.config.hidden_size, 384
     embed = torch.randn(vocab, hidden, generator=gen)
     head = torch.randn(vocab, hidden, generator=gen) * 0.3
-    slots_total = sum(lengths) + block * len(lengths) + 8
+    slots_total = sum(lengths) + block * len(lengths) + 32
     context = DraftContext(model, slots_total, dtype, "cpu")
     drafter = Drafter(model, _Target(embed, head.to(dtype)), context, Kernels(), block, window)
     free = torch.randperm(slots_total, generator=gen)  # scattered slots, as pages give
@@ -157,3 +157,32 @@ def test_bf16_native_equals_torch(built, target, tmp_path, case):
                                    [r.slots for r in reqs], [r.kv_len for r in reqs])  # fmt: skip
     assert served.dtype == torch.bfloat16
     assert (_logits(drafter, served, head) - bf16_torch).abs().max() <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("v2", [True, False])
+def test_context_entries_equal_torch(built, target, tmp_path, v2, dtype):
+    """The entries the native path writes (fc, hidden_norm, each layer's k / v, k_norm, rotary)
+    equal `context_entries` at the same slots: fp32 within 1e-5; bf16 within one bf16 rounding
+    of the fp32 entries over the same (bf16) weights, and within 0.05 of the bf16 torch path."""
+    folder = write_drafter(tmp_path / "d", target, seed=3, v2=v2, block_size=4, layers=3)
+    drafter, _, _ = _setup(target, folder, dtype, 4, None, [])
+    context, config = drafter.context, drafter.drafter.config
+    gen = torch.Generator().manual_seed(1)
+    n = 11
+    taps = torch.randn(n, len(config.target_layer_ids) * config.hidden_size, generator=gen)
+    positions = torch.arange(5, 5 + n)
+    slots = torch.randperm(context.cache.shape[1], generator=gen)[:n]
+    assert context.native is not None
+    context.write(taps.to(dtype), positions, slots)
+    native = context.cache[:, slots].float()
+    upcast, _, _ = _setup(target, folder, torch.float32, 4, None, [])
+    want = upcast.drafter.context_entries(taps.to(dtype).float(), positions)
+    if dtype == torch.float32:
+        assert (native - want).abs().max() <= 1e-5
+        return
+    assert ((native - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+    context.native = None  # the torch path in bf16
+    context.cache.zero_()
+    context.write(taps.to(dtype), positions, slots)
+    assert (native - context.cache[:, slots].float()).abs().max() <= 0.05

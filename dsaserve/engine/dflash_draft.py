@@ -48,6 +48,7 @@ class DraftContext:
         self.cache = torch.zeros(config.num_layers, num_slots, config.kv_dim, dtype=dtype,
                                  device=device)  # fmt: skip
         self.drafter = drafter
+        self.native = None  # dflash_native.NativeBlock, set by the Drafter on CPU
 
     @staticmethod
     def bytes_per_token(drafter_config, itemsize: int) -> int:
@@ -55,7 +56,9 @@ class DraftContext:
 
     def write(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Entries of the tokens whose tapped target states are `taps` [N, n * H]."""
-        if taps.shape[0]:
+        if taps.shape[0] and self.native is not None:
+            self.native.write(self.cache, taps, positions, slots)
+        elif taps.shape[0]:
             entries = self.drafter.context_entries(taps, positions)  # [layers, N, kv_dim]
             self.cache.index_copy_(1, slots, entries.to(self.cache.dtype))
 
@@ -75,6 +78,7 @@ class Drafter:
         self.mask_id = config.mask_token_id
         # on CPU, the block forward as one C++ call (dflash_native.py); None: the torch path
         self.native = dflash_native.build(drafter, context.cache, self.windows, self.scale)
+        context.native = self.native
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], sampled: list[bool], sampler: Sampler) -> Proposals:

@@ -69,7 +69,7 @@ def layer_tensors(layer) -> list[torch.Tensor]:
 
 
 class NativeBlock:
-    """`block_hidden` of a drafter on CPU; built by `build`, whose weights it copies (rebuild
+    """`block_hidden` and `context_entries` of a drafter on CPU; built by `build`, whose weights it copies (rebuild
     after changing them)."""
 
     def __init__(self, module, drafter: DFlashDraftModel, windows: list[int | None],
@@ -80,8 +80,8 @@ class NativeBlock:
         self.drafter = drafter
         self.block = module.DraftBlock(
             [layer_tensors(layer) for layer in drafter.layers], [int(c) for c in config.causal],
-            [w or 0 for w in windows], ints, _small(drafter.norm.weight),
-            float(config.rms_norm_eps), float(scale),
+            [w or 0 for w in windows], ints, _small(drafter.norm.weight), _weight(drafter.fc),
+            _small(drafter.hidden_norm.weight), float(config.rms_norm_eps), float(scale),
         )  # fmt: skip
 
     def hidden(self, noise: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
@@ -94,6 +94,14 @@ class NativeBlock:
         flat = noise.reshape(rows * block, hidden).float().contiguous()
         out = self.block.forward(flat, cos.contiguous(), sin.contiguous(), cache, slots, lens)
         return out.view(rows, block, hidden).to(noise.dtype)
+
+
+    def write(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
+              slots: torch.Tensor) -> None:  # fmt: skip
+        """`DraftContext.write`: the entries of the tokens whose tapped states are `taps` [N,
+        n * H] at `positions` [N], into `cache` at `slots` [N]."""
+        cos, sin = self.drafter.cos_sin(positions, torch.float32)
+        self.block.write_entries(taps.float().contiguous(), cos, sin, cache, slots.contiguous())
 
 
 def build(drafter: DFlashDraftModel, cache: torch.Tensor,

@@ -6,7 +6,8 @@
 // v projections, q / k norms and rotary, attention of each block row over the request's cached
 // context entries (a sliding window where the layer has one) and the block's own keys (causal
 // where the layer is), o_proj, the convolution after it, the residual, and the same around the
-// SwiGLU MLP; the final norm. Linears use the native decode step's blocked loops
+// SwiGLU MLP; the final norm. Also the context entries (`context_entries`), written into the
+// cache where the tokens' slots are. Linears use the native decode step's blocked loops
 // (cpu_decode_jobs.h, cpu_decode_math.h) over fp32 or bf16 weights; activations are fp32; the
 // context cache is fp32 or bf16. The drafter is small (a few layers, hidden ~200), so its cost in
 // torch is the per-op overhead, not the arithmetic: here it is one call on the calling thread.
@@ -91,8 +92,9 @@ class DraftBlock {
   // window: per layer (window 0: none); eps: every norm's; scale: the attention's.
   DraftBlock(std::vector<std::vector<Tensor>> layers, std::vector<int64_t> causal,
              std::vector<int64_t> windows, std::vector<int64_t> ints, Tensor final_norm,
-             double eps, double scale)
-      : final_norm_(final_norm), eps_(eps), scale_(static_cast<float>(scale)) {
+             Tensor fc, Tensor hidden_norm, double eps, double scale)
+      : final_norm_(final_norm), fc_w_(fc), hidden_norm_(hidden_norm), eps_(eps),
+        scale_(static_cast<float>(scale)) {
     TORCH_CHECK(ints.size() == 6 && causal.size() == layers.size() &&
                     windows.size() == layers.size(), "drafter shape");
     hidden_ = ints[0];
@@ -104,6 +106,52 @@ class DraftBlock {
     for (size_t l = 0; l < layers.size(); ++l)
       layers_.emplace_back(layers[l], causal[l] != 0, windows[l]);
     fp32(final_norm_);
+    fp32(hidden_norm_);
+    fc_ = mat_of(fc_w_, torch::Tensor());
+  }
+
+  // The context entries of N tokens (DFlashDraftModel.context_entries): taps [N, fc inputs] fp32
+  // (the tapped target states), cos / sin [N, dim / 2] at their positions, written into cache
+  // [layers, slots, 2 * kv_heads * dim] (fp32 or bf16, rounded to nearest even) at slots [N].
+  void write_entries(const Tensor& taps, const Tensor& cos, const Tensor& sin, const Tensor& cache,
+                     const Tensor& slots) {
+    const int64_t n = taps.size(0), kw = kv_heads_ * dim_, qw = heads_ * dim_;
+    const int64_t qkvw = qw + 2 * kw, width = 2 * kw;
+    TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.cols && cos.size(0) == n &&
+                    sin.sizes() == cos.sizes() && cos.size(1) == dim_ / 2 && slots.numel() == n &&
+                    slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+                "entries: taps [N, fc inputs], cos / sin [N, dim / 2], slots [N] int64");
+    TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == width &&
+                    cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    (cache.scalar_type() == torch::kFloat ||
+                     cache.scalar_type() == torch::kBFloat16), "cache: [layers, slots, kv_dim]");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < n; ++t)
+      TORCH_CHECK(sl[t] >= 0 && sl[t] < cache.size(1), "slot out of range");
+    std::vector<float> context(n * hidden_), normed(n * hidden_), kv(n * qkvw), entry(width);
+    linear(fp32(taps), n, fc_, context.data());
+    norm_rows(context.data(), n, fp32(hidden_norm_), normed.data());
+    const float *c = fp32(cos), *s = fp32(sin);
+    const bool bf16 = cache.scalar_type() == torch::kBFloat16;
+    RowsRef x;
+    x.base = normed.data();
+    x.stride = hidden_;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      linear_ref(x, n, L.qkv, qw, qkvw, kv.data(), qkvw);  // k_proj, v_proj rows of qkv
+      for (int64_t t = 0; t < n; ++t) {
+        float* row = kv.data() + t * qkvw + qw;  // [K | V]
+        for (int64_t h = 0; h < kv_heads_; ++h)
+          norm_rope(row + h * dim_, L.k_norm, c + t * (dim_ / 2), s + t * (dim_ / 2));
+        const int64_t at = (static_cast<int64_t>(l) * cache.size(1) + sl[t]) * width;
+        if (bf16) {
+          uint16_t* out = static_cast<uint16_t*>(cache.data_ptr()) + at;
+          for (int64_t j = 0; j < width; ++j) out[j] = float_to_bf16(row[j]);
+        } else {
+          std::copy_n(row, width, static_cast<float*>(cache.data_ptr()) + at);
+        }
+      }
+    }
   }
 
   // noise [R * B, hidden] fp32 (the block's embeddings, scaled); cos / sin [R * B, dim / 2] fp32
@@ -295,7 +343,8 @@ class DraftBlock {
   }
 
   std::vector<Layer> layers_;
-  Tensor final_norm_;
+  Tensor final_norm_, fc_w_, hidden_norm_;
+  Mat fc_;
   double eps_;
   float scale_;
   int64_t hidden_ = 0, heads_ = 0, kv_heads_ = 0, dim_ = 0, conv_k_ = 0, conv_group_ = 0;
@@ -308,8 +357,10 @@ class DraftBlock {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<dsa::DraftBlock>(m, "DraftBlock")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<int64_t>,
-                          std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, double,
-                          double>())
+                          std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, torch::Tensor,
+                          torch::Tensor, double, double>())
+      .def("write_entries", &dsa::DraftBlock::write_entries,
+           pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &dsa::DraftBlock::forward,
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }
