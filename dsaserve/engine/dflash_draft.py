@@ -67,7 +67,8 @@ class Drafter:
     """Proposes each decoding request's block (see the module doc)."""
 
     def __init__(self, drafter: DFlashDraftModel, target, context: DraftContext,
-                 kernels: Kernels, block_size: int, window: int | None) -> None:  # fmt: skip
+                 kernels: Kernels, block_size: int, window: int | None,
+                 native: bool = True) -> None:  # fmt: skip
         self.drafter, self.target, self.context = drafter, target, context
         self.kernels = kernels
         self.block_size = block_size
@@ -76,8 +77,10 @@ class Drafter:
         self.causal = config.causal
         self.scale = config.head_dim**-0.5
         self.mask_id = config.mask_token_id
-        # on CPU, the block forward as one C++ call (dflash_native.py); None: the torch path
-        self.native = dflash_native.build(drafter, context.cache, self.windows, self.scale)
+        # on CPU, the block forward and the context entries as C++ calls (dflash_native.py);
+        # None (not on CPU, no build, or native=False): the torch path, the reference
+        self.native = (dflash_native.build(drafter, context.cache, self.windows, self.scale)
+                       if native else None)  # fmt: skip
         context.native = self.native
 
     @torch.inference_mode()

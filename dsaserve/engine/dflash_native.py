@@ -62,15 +62,15 @@ def layer_tensors(layer) -> list[torch.Tensor]:
     return [
         _small(layer.input_layernorm.weight), _small(layer.post_attention_layernorm.weight),
         _small(attn.q_norm.weight), _small(attn.k_norm.weight),
-        _weight(attn.q_proj, attn.k_proj, attn.v_proj), _bias(attn.q_proj, attn.k_proj, attn.v_proj),
-        _weight(attn.o_proj), _bias(attn.o_proj), _weight(mlp.gate_proj, mlp.up_proj),
-        _weight(mlp.down_proj), *conv,
+        _weight(attn.q_proj, attn.k_proj, attn.v_proj),
+        _bias(attn.q_proj, attn.k_proj, attn.v_proj), _weight(attn.o_proj), _bias(attn.o_proj),
+        _weight(mlp.gate_proj, mlp.up_proj), _weight(mlp.down_proj), *conv,
     ]  # fmt: skip
 
 
 class NativeBlock:
-    """`block_hidden` and `context_entries` of a drafter on CPU; built by `build`, whose weights it copies (rebuild
-    after changing them)."""
+    """`block_hidden` and `context_entries` of a drafter on CPU; built by `build`, whose weights
+    it copies (rebuild after changing them)."""
 
     def __init__(self, module, drafter: DFlashDraftModel, windows: list[int | None],
                  scale: float) -> None:  # fmt: skip
@@ -94,7 +94,6 @@ class NativeBlock:
         flat = noise.reshape(rows * block, hidden).float().contiguous()
         out = self.block.forward(flat, cos.contiguous(), sin.contiguous(), cache, slots, lens)
         return out.view(rows, block, hidden).to(noise.dtype)
-
 
     def write(self, cache: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor,
               slots: torch.Tensor) -> None:  # fmt: skip
