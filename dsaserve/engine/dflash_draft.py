@@ -17,6 +17,9 @@ rows 1..B-1 give the drafts through the target's LM head. Greedy and seeded rows
 the drafter's q at the request's temperature (DFlash: also its top-k / top-p / min-p, as the
 reference's `_sampling_probs`; DFlash2: the selector's softmax), and q is kept for rejection
 sampling (`dflash_accept.py`).
+
+On CPU the drafter's layers and its context entries run as C++ calls instead
+(`dflash_native.py`, the same math in fp32; the torch path above stays the reference).
 """
 
 from __future__ import annotations
@@ -77,8 +80,10 @@ class Drafter:
         self.causal = config.causal
         self.scale = config.head_dim**-0.5
         self.mask_id = config.mask_token_id
-        # on CPU, the block forward and the context entries as C++ calls (dflash_native.py);
-        # None (not on CPU, no build, or native=False): the torch path, the reference
+        # on CPU, the block forward and the context entries as C++ calls (dflash_native.py) in
+        # place of the torch `draft_attention` path; None (not on CPU, no build, another
+        # draft_attention backend, or native=False): the torch path, the reference
+        native = native and kernels.names.get("draft_attention") == "torch"
         self.native = (dflash_native.build(drafter, context.cache, self.windows, self.scale)
                        if native else None)  # fmt: skip
         context.native = self.native
