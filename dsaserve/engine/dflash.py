@@ -100,9 +100,10 @@ class DFlashDecoder:
         rows, positions, slots = [], [], []
         for i, req in enumerate(scheduled.reqs):
             start, kept = scheduled.starts[i], req.kv_len - scheduled.starts[i]
-            rows.append(torch.arange(layout.offsets[i], layout.offsets[i] + kept))
-            positions.append(torch.arange(start, start + kept))
+            rows += range(layout.offsets[i], layout.offsets[i] + kept)
+            positions += range(start, start + kept)
             slots.append(req.slots[start : start + kept])
         device = tapped.device
-        taps = tapped[torch.cat(rows).to(device)]
-        self.context.write(taps, torch.cat(positions).to(device), torch.cat(slots).to(device))
+        taps = tapped[torch.tensor(rows, device=device)]
+        slots = slots[0] if len(slots) == 1 else torch.cat(slots)
+        self.context.write(taps, torch.tensor(positions, device=device), slots.to(device))

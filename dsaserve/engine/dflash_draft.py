@@ -17,6 +17,9 @@ rows 1..B-1 give the drafts through the target's LM head. Greedy and seeded rows
 the drafter's q at the request's temperature (DFlash: also its top-k / top-p / min-p, as the
 reference's `_sampling_probs`; DFlash2: the selector's softmax), and q is kept for rejection
 sampling (`dflash_accept.py`).
+
+On CPU the drafter's layers and its context entries run as C++ calls instead
+(`dflash_native.py`, the same math in fp32; the torch path above stays the reference).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from dsaserve.engine import dflash_native
 from dsaserve.engine.request import Req
 from dsaserve.engine.sampler import Sampler, filtered_probs
 from dsaserve.kernels.registry import Kernels
@@ -47,6 +51,7 @@ class DraftContext:
         self.cache = torch.zeros(config.num_layers, num_slots, config.kv_dim, dtype=dtype,
                                  device=device)  # fmt: skip
         self.drafter = drafter
+        self.native = None  # dflash_native.NativeBlock, set by the Drafter on CPU
 
     @staticmethod
     def bytes_per_token(drafter_config, itemsize: int) -> int:
@@ -54,7 +59,9 @@ class DraftContext:
 
     def write(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Entries of the tokens whose tapped target states are `taps` [N, n * H]."""
-        if taps.shape[0]:
+        if taps.shape[0] and self.native is not None:
+            self.native.write(self.cache, taps, positions, slots)
+        elif taps.shape[0]:
             entries = self.drafter.context_entries(taps, positions)  # [layers, N, kv_dim]
             self.cache.index_copy_(1, slots, entries.to(self.cache.dtype))
 
@@ -63,7 +70,8 @@ class Drafter:
     """Proposes each decoding request's block (see the module doc)."""
 
     def __init__(self, drafter: DFlashDraftModel, target, context: DraftContext,
-                 kernels: Kernels, block_size: int, window: int | None) -> None:  # fmt: skip
+                 kernels: Kernels, block_size: int, window: int | None,
+                 native: bool = True) -> None:  # fmt: skip
         self.drafter, self.target, self.context = drafter, target, context
         self.kernels = kernels
         self.block_size = block_size
@@ -72,6 +80,13 @@ class Drafter:
         self.causal = config.causal
         self.scale = config.head_dim**-0.5
         self.mask_id = config.mask_token_id
+        # on CPU, the block forward and the context entries as C++ calls (dflash_native.py) in
+        # place of the torch `draft_attention` path; None (not on CPU, no build, another
+        # draft_attention backend, or native=False): the torch path, the reference
+        native = native and kernels.names.get("draft_attention") == "torch"
+        self.native = (dflash_native.build(drafter, context.cache, self.windows, self.scale)
+                       if native else None)  # fmt: skip
+        context.native = self.native
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], sampled: list[bool], sampler: Sampler) -> Proposals:
@@ -85,8 +100,13 @@ class Drafter:
         noise = self.target.embed(ids)
         if self.drafter.config.input_embedding_scale != 1.0:
             noise = noise * self.drafter.config.input_embedding_scale
-        attend = self._attend(reqs, positions)
-        hidden = self.drafter.block_hidden(noise, positions, attend)[:, 1:]  # [R, K, H]
+        if self.native is not None:
+            slots = [req.slots.contiguous() for req in reqs]
+            hidden = self.native.hidden(noise, positions, self.context.cache, slots,
+                                        [req.kv_len for req in reqs])  # fmt: skip
+        else:
+            hidden = self.drafter.block_hidden(noise, positions, self._attend(reqs, positions))
+        hidden = hidden[:, 1:]  # [R, K, H]
         raw = self._lm_head(hidden)  # [R, K, V] before the drafter's multiplier and softcap
         return self._choose(reqs, sampled, sampler, hidden, raw, ids[:, 0])
 

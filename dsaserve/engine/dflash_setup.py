@@ -48,10 +48,12 @@ def context_bytes_per_token(settings: DFlashSettings, dtype: torch.dtype) -> int
 
 
 def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kernels,
-                  num_slots: int, settings: DFlashSettings) -> DFlashDecoder:  # fmt: skip
+                  num_slots: int, settings: DFlashSettings,
+                  native: bool = True) -> DFlashDecoder:  # fmt: skip
+    """The DFLASH step; `native` (no --disable-native-decode): the drafter's C++ form on CPU."""
     device = runner.device
     dtype = drafter.fc.weight.dtype
     context = DraftContext(drafter, num_slots, dtype, device)
     block = block_size(settings, drafter)
-    proposer = Drafter(drafter, runner.model, context, kernels, block, settings.window)
+    proposer = Drafter(drafter, runner.model, context, kernels, block, settings.window, native)
     return DFlashDecoder(runner, proposer, drafter.config.target_layer_ids)

@@ -136,7 +136,7 @@ class Engine:
             self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
         if self.drafter is not None:
             self.spec = build_decoder(self.runner, self.drafter, self.kernels,
-                                      self.pool.num_tokens, self.dflash)  # fmt: skip
+                                      self.pool.num_tokens, self.dflash, native)  # fmt: skip
 
     def _make_cache(self, page_size: int) -> RadixCache:
         if not self.args.enable_hierarchical_cache:
