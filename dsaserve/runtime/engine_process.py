@@ -62,11 +62,13 @@ Reject = Callable[[list[str], str, int], None]  # refuse requests: rids, message
 EngineFactory = Callable[[ServerArgs, ParallelState, Reject], DrivenEngine]
 
 
-def run_engine_process(
-    args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int, factory: EngineFactory
-) -> None:
+def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
+                       factory: EngineFactory, replica: int = 0) -> None:  # fmt: skip
     """Entry point of the spawned engine process: start this node's other ranks (--tp > 1),
-    build what `factory` makes on them, and serve it until told to stop."""
+    build what `factory` makes on them, and serve it until told to stop. With `--dp N` (no DP
+    attention) the API process spawns N of them; this is `replica`, on its own devices."""
+    enter_replica(args, replica)
+    paths = paths.for_group(replica)
     # Serving, the API process decides when we stop (after draining), also when a whole process
     # group is signalled; if the API process dies instead, the loop notices the new parent and
     # exits. Starting, there is nothing to drain: SIGTERM ends the start (a native build's
@@ -98,7 +100,21 @@ def run_engine_process(
             ranks.kill()
         raise
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve_engine(engine, args, inbox, outbox, parent_pid, ranks=ranks)
+    serve_engine(engine, args, inbox, outbox, parent_pid, group=replica, ranks=ranks)
+
+
+def enter_replica(args: ServerArgs, replica: int) -> None:
+    """`--dp N` replicas: replica r's ranks take CUDA devices r*tp .. r*tp+tp-1 (of those
+    visible), and on CPU the cores are shared out (unless OMP_NUM_THREADS or --threads says)."""
+    sizes = ParallelSizes.from_args(args)
+    if sizes.replicas == 1:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(sizes.replicas * sizes.tp)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[replica * sizes.tp :][: sizes.tp])
+    if "OMP_NUM_THREADS" not in os.environ and args.threads is None:
+        share = (os.cpu_count() or 1) // (sizes.replicas * sizes.tp)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, share))
 
 
 def _stop_starting(signum: int, frame: Any) -> None:
@@ -124,7 +140,7 @@ def serve_engine(engine: DrivenEngine, args: ServerArgs, inbox: Any, outbox: Any
                  group: int = 0, ranks: LocalRanks | None = None) -> None:  # fmt: skip
     """Serve `engine` until told to stop, then tear down: the engine's ranks leave their rounds
     (after a failure they are ended instead), the ones this process started are stopped."""
-    outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
+    outbox.send(ipc.encode(ipc.Ready(engine_info(engine), group)))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid, group, ranks).run()
     try:
         engine.close(graceful=code == 0)
@@ -176,7 +192,7 @@ class EngineLoop:
         self.stopping = False
         self.pending: list[ipc.FromEngine] = []  # sent after the stats of the same iteration
         self.published: dict | None = None
-        self.group = group  # the attention group whose stats these are
+        self.group = group  # the attention group (or --dp replica) whose stats these are
         self.ranks = ranks  # the ranks this process started (ended by the watchdog)
         self.dp = args.dp_size if args.enable_dp_attention else 1
         self.others_busy = False

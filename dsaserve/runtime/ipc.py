@@ -60,6 +60,7 @@ class Stats(msgspec.Struct, tag=True):
 
 class Ready(msgspec.Struct, tag=True):
     info: dict
+    group: int = 0  # the attention group (DP attention) or the replica (--dp N) now ready
 
 
 class Fatal(msgspec.Struct, tag=True):
@@ -98,7 +99,8 @@ class IpcPaths(msgspec.Struct):
         return cls(f"ipc://{folder}/to_engine", f"ipc://{folder}/from_engine")
 
     def for_group(self, group: int) -> IpcPaths:
-        """DP attention: group g's leader has its own request socket; outputs share one."""
+        """Group g's leader (DP attention) or replica g's engine (--dp N) has its own request
+        socket; outputs share one."""
         return IpcPaths(self.to_engine + (f"_{group}" if group else ""), self.from_engine)
 
     def cleanup(self, groups: int = 1) -> None:

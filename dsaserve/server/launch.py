@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import sys
 import time
@@ -18,7 +17,6 @@ from typing import Any
 
 import uvicorn
 
-from dsaserve import process_tree
 from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.runtime import ipc
 from dsaserve.runtime.node import serve_node
@@ -27,6 +25,7 @@ from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
+from dsaserve.server.engine_processes import start_engines, stop_engines
 from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
@@ -39,7 +38,6 @@ from dsaserve.server.templates import model_type_of
 from dsaserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("dsaserve.server")
-ENGINE_STOP_TIMEOUT_S = 10.0
 
 
 def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
@@ -111,13 +109,14 @@ class DrainingServer(uvicorn.Server):
 
 async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) -> int:
     paths = ipc.IpcPaths.fresh()
-    groups = args.dp_size if args.enable_dp_attention else 1
+    groups = args.dp_size  # attention groups (DP attention) or engine replicas (--dp alone)
     if groups > 1:
         engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
     else:
         engine = EngineClient(paths)
-    process = start_engine(args, paths, engine_factory)
-    engine.start(process)
+    engines = start_engines(args, paths, engine_factory)
+    engine.start(engines)
+    watch = asyncio.create_task(engines.end_with_first())
     state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder())
     state.body_decoder.start()
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
@@ -135,7 +134,8 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
     finally:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
-        await stop_engine(engine, process, started=bool(state.engine_info))
+        watch.cancel()
+        await stop_engines(engine, engines, started=bool(state.engine_info))
         state.body_decoder.close()
         paths.cleanup(groups)
     return code
@@ -170,42 +170,3 @@ async def _become_ready(
     print(f"dsaserve ready: http://{host}:{port} (model {state.tokenizer_manager.model_name})",
           flush=True)  # fmt: skip
     return 0
-
-
-def start_engine(
-    args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None
-) -> multiprocessing.process.BaseProcess:
-    """Spawn the engine process. Its code is imported here, for the spawn: the API process never
-    runs a model."""
-    from dsaserve.disaggregation.roles import serving_engine
-    from dsaserve.runtime.engine_process import run_engine_process
-
-    context = multiprocessing.get_context("spawn")
-    process = context.Process(
-        target=run_engine_process, args=(args, paths, os.getpid(), factory or serving_engine),
-        name="dsaserve-engine",
-    )  # fmt: skip
-    process.start()
-    return process
-
-
-async def stop_engine(
-    engine: EngineClient, process: multiprocessing.process.BaseProcess, started: bool = True
-) -> None:
-    """Ask the engine to stop; terminate, then kill, if it does not. An engine still starting
-    has nothing to drain: it is terminated at once (it stops its build, if any), and whatever it
-    leaves running (ranks, a compiler) is killed with it."""
-    await engine.shutdown()
-    deadline = time.monotonic() + (ENGINE_STOP_TIMEOUT_S if started else 0.0)
-    while process.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    tree = process_tree.descendants(process.pid) if process.pid else []
-    if process.is_alive():
-        process.terminate()
-        await asyncio.to_thread(process.join, 3)
-    if process.is_alive():
-        tree = process_tree.descendants(process.pid)
-        process.kill()
-        process.join(3)
-    process_tree.kill_all(tree)
-    engine.close()
