@@ -305,8 +305,10 @@ def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
         (["--tp", "3"], "does not divide the model's 4 attention heads"),
         (["--tp", "2", "--ep", "3"], "--ep 3 must divide --tp 2"),
         (["--tp", "2", "--dp", "4", "--enable-dp-attention"], "--dp 4 must divide --tp 2"),
-        (["--tp", "2", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
-         "replicas (without --enable-dp-attention) run on one node"),
+        (
+            ["--tp", "2", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
+            "replicas (without --enable-dp-attention) run on one node",
+        ),
     ],
 )
 def test_layout_refused_before_any_process(deepseek, flags, message, capsys):
