@@ -49,9 +49,13 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
     if args.nnodes > 1 and sizes.dp_attention and sizes.dp > 1:
         raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
                         "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
-    if sizes.tp > 1 and args.enable_hierarchical_cache:
-        raise ArgsError(f"--enable-hierarchical-cache with --tp {sizes.tp}: the host tier moves "
-                        "one rank's KV only in this build; use --tp 1")  # fmt: skip
+    if args.enable_hierarchical_cache and sizes.groups > 1:
+        raise ArgsError("--enable-hierarchical-cache with --enable-dp-attention --dp > 1: the "
+                        "attention groups' tiers are not built yet; use --tp N alone (or --dp "
+                        "replicas)")  # fmt: skip
+    if args.enable_hierarchical_cache and sizes.cp > 1:
+        raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
+                        "does not move context-parallel pools yet; drop one")  # fmt: skip
     if sizes.tp > 1 and args.disaggregation_mode != "null":
         raise ArgsError(f"--disaggregation-mode with --tp {sizes.tp}: PD roles run one rank in "
                         "this build; use --tp 1")  # fmt: skip

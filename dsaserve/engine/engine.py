@@ -89,6 +89,8 @@ class Engine:
             self.model = DistributedModel(runner)
         page_size = self.pool.page_size
         self.cache = self._make_cache(page_size)
+        if self.parallel.world > 1 and self.args.enable_hierarchical_cache:
+            runner.tiers = self.cache.moves  # the group repeats its moves (hicache_moves.py)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", self.pool.num_tokens,
                     page_size, self.kv_bytes_per_token)  # fmt: skip
 
@@ -131,7 +133,7 @@ class Engine:
             return RadixCache(self.pool.pages, page_size, enabled=not self.args.disable_radix_cache)
         from dsaserve.engine.hicache_setup import build_hicache
 
-        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
+        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp, self.parallel)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:

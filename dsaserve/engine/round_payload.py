@@ -2,7 +2,8 @@
 
 An op is FORWARD (a ForwardBatch), FORWARD_LOGITS (a ForwardBatch; the forward and then the
 logits of its `logits_rows`, in one round), MTP (a ForwardBatch, the hidden states fed to the MTP
-layer and an optional reused indexer Selection) or LOGITS (hidden rows). Its tensors travel as two
+layer and an optional reused indexer Selection), LOGITS (hidden rows) or HICACHE (the journal
+of the leader's HiCache moves, which its group repeats on its own tiers). Its tensors travel as two
 flat buffers: int64 (a shape header, then every integer/bool tensor) and float (every float
 tensor, in the model dtype). The KV pool tensors are never sent: every rank has its own.
 """
@@ -25,6 +26,7 @@ class Op(IntEnum):
     LOGITS = 3
     STOP = 4
     FORWARD_LOGITS = 5
+    HICACHE = 6  # the leader's HiCache moves, repeated by its group (engine/hicache_moves.py)
 
 
 @dataclass
@@ -33,6 +35,7 @@ class OpInputs:
     batch: ForwardBatch | None = None
     hidden: torch.Tensor | None = None
     reuse: Selection | None = None
+    moves: torch.Tensor | None = None  # HICACHE: the journal (int64)
 
     @property
     def logits_rows(self) -> int:
@@ -62,6 +65,8 @@ def _tensors(inputs: OpInputs) -> list[torch.Tensor | None]:
         out += [e.ctx_slots for e in b.extends]
     if inputs.op in (Op.MTP, Op.LOGITS):
         out.append(inputs.hidden)
+    if inputs.op == Op.HICACHE:
+        out.append(inputs.moves)
     if inputs.op == Op.MTP:
         reuse = inputs.reuse
         out.append(torch.tensor([-1 if reuse is None else len(reuse.extends)]))
@@ -128,6 +133,8 @@ def _rebuild(op: Op, tensors, kv_cache, index_cache) -> OpInputs:
                                     valid, logits_rows, kv_cache, index_cache)  # fmt: skip
     if op in (Op.MTP, Op.LOGITS):
         inputs.hidden = next(tensors)
+    if op == Op.HICACHE:
+        inputs.moves = next(tensors)
     if op == Op.MTP:
         count = int(next(tensors)[0])
         if count >= 0:
@@ -142,6 +149,8 @@ def empty(op: Op, hidden_size: int, dtype: torch.dtype, kv_cache, index_cache, d
     hidden = torch.zeros(0, hidden_size, dtype=dtype, device=device)
     if op == Op.LOGITS:
         return OpInputs(op, hidden=hidden)
+    if op == Op.HICACHE:
+        return OpInputs(op)
     batch = ForwardBatch(long, long, long, [], long, long.view(0, 0),
                          long.view(0, 0).bool(), long, kv_cache, index_cache)  # fmt: skip
     return OpInputs(op, batch=batch, hidden=hidden if op == Op.MTP else None)

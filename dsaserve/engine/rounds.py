@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.engine.hicache_moves import TierMoves
 from dsaserve.engine.round_payload import Op, OpInputs, empty, pack, unpack
 from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
 from dsaserve.layers.indexer import Selection
@@ -43,6 +44,7 @@ class RankRunner:
         # the hidden states' dtype (the payload's float buffer): the compute dtype, which a
         # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.tiers: TierMoves | None = None  # this rank's HiCache tiers (HICACHE ops)
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -134,6 +136,10 @@ class RankRunner:
         model = self.model
         if inputs.op == Op.LOGITS:
             return model.logits(inputs.hidden)
+        if inputs.op == Op.HICACHE:  # the leader moved its own bytes already
+            if inputs.moves is not None and not self.parallel.is_leader:
+                self.tiers.replay(inputs.moves)
+            return None
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
                 return model()
@@ -175,10 +181,21 @@ class DistributedModel:
         return self.model.mtp
 
     def _run(self, inputs: OpInputs) -> Any:
+        if inputs.op != Op.HICACHE:
+            self.sync_tiers()
         while True:
             ran, result = self.runner.round(inputs)
             if ran:
                 return result
+
+    def sync_tiers(self) -> bool:
+        """Send the HiCache moves made since the last op to the group, which repeats them
+        before any forward reads or writes those pages; False if there were none."""
+        tiers = self.runner.tiers
+        moves = tiers.take_journal() if tiers is not None else None
+        if moves is not None:
+            self._run(OpInputs(Op.HICACHE, moves=moves))
+        return moves is not None
 
     def __call__(self) -> torch.Tensor:
         return self._run(OpInputs(Op.FORWARD, batch=current_batch()))
@@ -197,9 +214,12 @@ class DistributedModel:
         return self._run(OpInputs(Op.LOGITS, hidden=hidden))
 
     def idle(self) -> bool:
-        """One heartbeat round (joining any other group's op); True if another group is busy."""
-        self.runner.round(None)
+        """One heartbeat round (joining any other group's op; or the HiCache moves still to
+        send); True if another group is busy."""
+        if not self.sync_tiers():
+            self.runner.round(None)
         return self.runner.others_busy
 
     def stop(self) -> None:
+        self.sync_tiers()
         self.runner.stop()

@@ -1,0 +1,133 @@
+"""HiCache on every rank: `--tp 2` against the single-process server, through the openai SDK.
+
+fp32 GLM with an MTP layer and a shared indexer layer, EAGLE on, prompts longer than index_topk
+(8). A small device pool (12 pages of 16) holds two of the prompts: the third and fourth evict
+the first two to the host tier; the first again comes back from the host tier (each rank loads
+its own copy: a rank that skipped it would attend to stale KV for its heads), with
+`cached_tokens` reported and the same tokens and logprobs as the single process, which runs the
+same requests with the same flags. Then both restart on the file tier: the first prompt comes
+back from storage (each rank reads its own files). The process trees are checked empty after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+from server_harness import group_members, running_server
+from speculative_models import make_mtp_checkpoint
+
+PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(4)]
+NEW = 6
+FLAGS = ["--dtype", "float32", "--chunked-prefill-size", "32", "--watchdog-timeout", "60",
+         "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+         "--max-total-tokens", "192", "--context-length", "120", "--enable-hierarchical-cache",
+         "--hicache-ratio", "4", "--enable-cache-report"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("hicache_tp_glm") / "ckpt"
+    return make_mtp_checkpoint(folder, "glm", seed=5, indexer_types=["full", "shared", "full"])
+
+
+def storage_flags(store: Path) -> list[str]:
+    extra = json.dumps({"file_path": str(store), "prefetch_threshold": 16})
+    return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra,
+            "--hicache-storage-prefetch-policy", "wait_complete"]  # fmt: skip
+
+
+def complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float], int]:
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=NEW, temperature=0,
+                                  logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs), cached
+
+
+def serve_sequence(model: Path, store: Path, *flags: str) -> tuple[list, dict, list]:
+    """The four prompts, then the first again (host tier); restarted, the first (storage)."""
+    runs = []
+    with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+        runs += [complete(client, p) for p in [*PROMPTS, PROMPTS[0]]]
+        stats = httpx.get(server.url + "/get_server_info", timeout=60).json()["internal_states"][0]
+        stop_cleanly(server)
+    with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+        runs.append(complete(client, PROMPTS[0]))
+        restarted = httpx.get(server.url + "/get_server_info", timeout=60).json()
+        stop_cleanly(server)
+    return runs, stats, [restarted["internal_states"][0]]
+
+
+def stop_cleanly(server) -> None:
+    """SIGTERM the API process alone: it stops its engine and every rank (no SIGKILL of the
+    group by the harness needed), and exits 0."""
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(60) == 0
+    deadline = time.monotonic() + 10  # the last children (resource tracker) exit just after
+    while group_members(server.process.pid):
+        assert time.monotonic() < deadline, group_members(server.process.pid)
+        time.sleep(0.1)
+
+
+def test_tp2_host_and_file_tiers_match_the_single_process(glm, tmp_path):
+    want, want_stats, _ = serve_sequence(glm, tmp_path / "single")
+    got, stats, restarted = serve_sequence(glm, tmp_path / "tp2", "--tp", "2")
+    for (text, lps, cached), (want_text, want_lps, want_cached) in zip(got, want):
+        assert text == want_text and cached == want_cached and len(lps) == NEW
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
+    assert [c for _, _, c in got] == [0, 0, 0, 0, 64, 64]  # whole pages of the 80 tokens
+    assert stats["hicache_host_hit_tokens"] == want_stats["hicache_host_hit_tokens"] == 64
+    assert restarted[0]["hicache_storage_hit_tokens"] == 64
+    namespaces = sorted(p.name for p in (tmp_path / "tp2").iterdir())
+    assert len(namespaces) == 2  # one folder of pages per rank, never read by the other
+    single = [p.name for p in (tmp_path / "single").iterdir()]
+    assert len(single) == 1 and single[0] not in namespaces
+    pages = [len(os.listdir(tmp_path / "tp2" / n)) for n in namespaces]
+    assert pages[0] == pages[1] > 0
+
+
+def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):
+    """Unit: the journal of every kind of move, replayed on a follower whose device pool started
+    equal, leaves its device pool, host tier and storage pages equal to the leader's; its files
+    are keyed by its own identity (none of the leader's keys)."""
+    import torch
+
+    from dsaserve.engine.hicache_moves import HostKVPool, TierMoves
+    from dsaserve.engine.hicache_storage import FileBackend, PageCodec, StorageTier
+
+    page, pages = 4, 8
+
+    def rank(identity: str, kv: torch.Tensor, index: torch.Tensor, **kw) -> TierMoves:
+        pool = SimpleNamespace(kv_cache=kv.clone(), index_cache=index.clone(), page_size=page)
+        codec = PageCodec(identity, (3, page, 5), (2, page, 6), torch.float32)
+        backend = FileBackend(str(tmp_path), identity[:16], 1 << 30)
+        return TierMoves(pool, HostKVPool(pool, 6), StorageTier(backend, codec), **kw)
+
+    kv, index = torch.randn(3, pages * page, 5), torch.randn(2, pages * page, 6)
+    leader = rank("a" * 64, kv, index, record=True)
+    follower = rank("b" * 64, kv, index, leader_keys=True)
+    keys = leader.storage.codec.page_keys(list(range(3 * page)), page)
+    leader.d2h([1, 2, 3], [0, 4, 5])
+    leader.store([0, 4, 5], keys)
+    leader.pool.kv_cache[:, :page] = 7.0  # a forward overwrote device page 0 ...
+    follower.pool.kv_cache[:, :page] = 7.0  # ... on every rank
+    leader.h2d([4, 5], [0, 6])
+    leader.storage.drain()
+    read = [leader.storage.read(k) for k in keys[:2]]
+    leader.load([2, 7], read, keys[:2])
+    follower.replay(leader.take_journal())
+    follower.storage.drain()
+    assert leader.take_journal() is None
+    for a, b in [(leader.pool, follower.pool), (leader.host, follower.host)]:
+        assert torch.equal(a.kv_cache, b.kv_cache) and torch.equal(a.index_cache, b.index_cache)
+    own = sorted(os.listdir(tmp_path / ("b" * 16)))
+    assert len(own) == 3 and not set(own) & {f"{k}.kv" for k in keys}
