@@ -1,12 +1,13 @@
 """HiCache on every rank: `--tp 2` against the single-process server, through the openai SDK.
 
 fp32 GLM with an MTP layer and a shared indexer layer, EAGLE on, prompts longer than index_topk
-(8). A small device pool (12 pages of 16) holds two of the prompts: the third and fourth evict
-the first two to the host tier; the first again comes back from the host tier (each rank loads
-its own copy: a rank that skipped it would attend to stale KV for its heads), with
-`cached_tokens` reported and the same tokens and logprobs as the single process, which runs the
-same requests with the same flags. Then both restart on the file tier: the first prompt comes
-back from storage (each rank reads its own files). The process trees are checked empty after.
+(8). A small device pool (12 pages of 16) holds two of the prompts: later ones evict the first
+ones to the host tier; the first again comes back from the host tier (each rank loads its own
+copy: a rank that skipped it would attend to stale KV for its heads), with `cached_tokens`
+reported and the same tokens and logprobs as the single process, which runs the same requests
+with the same flags. Then both restart on the file tier: the first prompt comes back from
+storage (each rank reads its own files). DP attention: each group has its own tiers. The process
+trees are checked empty after (SIGTERM to the API process alone).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import pytest
 from server_harness import group_members, running_server
 from speculative_models import make_mtp_checkpoint
 
-PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(4)]
+PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(6)]
 NEW = 6
 FLAGS = ["--dtype", "float32", "--chunked-prefill-size", "32", "--watchdog-timeout", "60",
          "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
@@ -51,20 +52,29 @@ def complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]
     return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs), cached
 
 
-def serve_sequence(model: Path, store: Path, *flags: str) -> tuple[list, dict, list]:
-    """The four prompts, then the first again (host tier); restarted, the first (storage)."""
-    runs = []
-    with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
-        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
-        runs += [complete(client, p) for p in [*PROMPTS, PROMPTS[0]]]
-        stats = httpx.get(server.url + "/get_server_info", timeout=60).json()["internal_states"][0]
-        stop_cleanly(server)
-    with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
-        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
-        runs.append(complete(client, PROMPTS[0]))
-        restarted = httpx.get(server.url + "/get_server_info", timeout=60).json()
-        stop_cleanly(server)
-    return runs, stats, [restarted["internal_states"][0]]
+def serve_sequence(model: Path, store: Path, *flags: str, restart: bool = True) -> tuple:
+    """The six prompts, then the first again (from the host tier); restarted on the same file
+    tier, the first again (from storage). The answers and the stats after each part."""
+    runs, stats = [], []
+    for prompts in ([*PROMPTS, PROMPTS[0]], [PROMPTS[0]])[: 1 + restart]:
+        with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
+            client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+            runs += [complete(client, p) for p in prompts]
+            info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+            stats.append(info["internal_states"][0])
+            stop_cleanly(server)
+    return runs, stats
+
+
+@pytest.fixture(scope="module")
+def single(glm, tmp_path_factory):
+    return serve_sequence(glm, tmp_path_factory.mktemp("single_store"))
+
+
+def assert_same(got: list, want: list) -> None:
+    for (text, lps, cached), (want_text, want_lps, want_cached) in zip(got, want):
+        assert text == want_text and cached == want_cached and len(lps) == NEW
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
 
 
 def stop_cleanly(server) -> None:
@@ -78,21 +88,31 @@ def stop_cleanly(server) -> None:
         time.sleep(0.1)
 
 
-def test_tp2_host_and_file_tiers_match_the_single_process(glm, tmp_path):
-    want, want_stats, _ = serve_sequence(glm, tmp_path / "single")
-    got, stats, restarted = serve_sequence(glm, tmp_path / "tp2", "--tp", "2")
-    for (text, lps, cached), (want_text, want_lps, want_cached) in zip(got, want):
-        assert text == want_text and cached == want_cached and len(lps) == NEW
-        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
-    assert [c for _, _, c in got] == [0, 0, 0, 0, 64, 64]  # whole pages of the 80 tokens
-    assert stats["hicache_host_hit_tokens"] == want_stats["hicache_host_hit_tokens"] == 64
-    assert restarted[0]["hicache_storage_hit_tokens"] == 64
-    namespaces = sorted(p.name for p in (tmp_path / "tp2").iterdir())
+def test_tp2_host_and_file_tiers_match_the_single_process(glm, single, tmp_path):
+    (want, want_stats), store = single, tmp_path / "tp2"
+    got, (stats, restarted) = serve_sequence(glm, store, "--tp", "2")
+    assert_same(got, want)
+    assert [c for _, _, c in got] == [0] * 6 + [64, 64]  # whole pages of the 80 tokens
+    assert stats["hicache_host_hit_tokens"] == want_stats[0]["hicache_host_hit_tokens"] == 64
+    assert restarted["hicache_storage_hit_tokens"] == 64
+    namespaces = sorted(p.name for p in store.iterdir())
     assert len(namespaces) == 2  # one folder of pages per rank, never read by the other
-    single = [p.name for p in (tmp_path / "single").iterdir()]
-    assert len(single) == 1 and single[0] not in namespaces
-    pages = [len(os.listdir(tmp_path / "tp2" / n)) for n in namespaces]
+    pages = [len(os.listdir(store / n)) for n in namespaces]
     assert pages[0] == pages[1] > 0
+
+
+def test_dp_attention_groups_keep_their_own_tiers(glm, single, tmp_path):
+    """`--tp 4 --dp 2 --enable-dp-attention`: each group of two ranks has its own tiers and its
+    own journal; round-robin sends prompts 0, 2, 4 to group 0, which evicts prompt 0 to its host
+    tier; prompt 0 again goes back to group 0 (the prefix it served) and comes from there."""
+    (want, _), store = single, tmp_path / "dpa"
+    flags = ["--tp", "4", "--dp", "2", "--enable-dp-attention"]
+    got, (stats,) = serve_sequence(glm, store, *flags, restart=False)
+    assert_same(got, want[:7])
+    groups = stats["dp_groups"]
+    assert [g["hicache_host_hit_tokens"] for g in groups] == [64, 0]
+    assert all(g["hicache_d2h_bytes"] > 0 for g in groups)
+    assert len(list(store.iterdir())) == 2  # per attention-TP rank, shared by the two groups
 
 
 def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):

@@ -45,7 +45,6 @@ OPTIONS = {
 }
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
-    "--enable-hierarchical-cache with --enable-dp-attention": "hicache",
     "--disaggregation-mode with --tp": "pd",
     "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }

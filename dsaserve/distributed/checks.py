@@ -49,10 +49,6 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
     if args.nnodes > 1 and sizes.dp_attention and sizes.dp > 1:
         raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
                         "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
-    if args.enable_hierarchical_cache and sizes.groups > 1:
-        raise ArgsError("--enable-hierarchical-cache with --enable-dp-attention --dp > 1: the "
-                        "attention groups' tiers are not built yet; use --tp N alone (or --dp "
-                        "replicas)")  # fmt: skip
     if args.enable_hierarchical_cache and sizes.cp > 1:
         raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
                         "does not move context-parallel pools yet; drop one")  # fmt: skip
