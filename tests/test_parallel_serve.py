@@ -286,6 +286,32 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     assert not group_members(node1.pid)
 
 
+def test_dp_attention_across_two_nodes(glm, glm_expected):
+    """`--tp 2 --dp 2 --enable-dp-attention --nnodes 2`: group 1's engine runs on node 1 (its
+    own command), driven from node 0's controller over TCP; the MoE step spans both nodes.
+    kill -9 of node 1 mid-stream: 503, nothing left on either node."""
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2",
+             "--dist-init-addr", addr]  # fmt: skip
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(glm), *COMMON, *EAGLE,
+         "--max-total-tokens", "4096", "--page-size", "16", *nodes, "--node-rank", "1"],
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with running_server(glm, *COMMON, *EAGLE, *nodes, "--node-rank", "0") as server:
+            stats = check_layout(server, glm_expected)
+            assert all(g["prompt_tokens"] > 0 for g in stats["dp_groups"])  # both groups
+            info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+            assert info["dp_group_pids"][1] in group_members(node1.pid)  # group 1 on node 1
+            kill_rank_mid_stream(server, node1.pid)
+        assert node1.wait(30) is not None
+    finally:
+        stop_group(node1)
+    assert not group_members(node1.pid)
+
+
 def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
     addr = f"127.0.0.1:{free_port()}"  # nobody listens there
     command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),

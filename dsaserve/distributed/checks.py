@@ -46,9 +46,6 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
         raise ArgsError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
     if args.nnodes > 1 and not args.dist_init_addr:
         raise ArgsError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    if args.nnodes > 1 and sizes.dp_attention and sizes.dp > 1:
-        raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
-                        "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
     if args.enable_hierarchical_cache and sizes.cp > 1:
         raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
                         "does not move context-parallel pools yet; drop one")  # fmt: skip

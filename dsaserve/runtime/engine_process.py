@@ -68,7 +68,6 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
     build what `factory` makes on them, and serve it until told to stop. With `--dp N` (no DP
     attention) the API process spawns N of them; this is `replica`, on its own devices."""
     enter_replica(args, replica)
-    paths = paths.for_group(replica)
     # Serving, the API process decides when we stop (after draining), also when a whole process
     # group is signalled; if the API process dies instead, the loop notices the new parent and
     # exits. Starting, there is nothing to drain: SIGTERM ends the start (a native build's
@@ -79,7 +78,7 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
-    inbox.connect(paths.to_engine)
+    inbox.connect(paths.for_group(replica).to_engine)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(paths.from_engine)
     ranks = None

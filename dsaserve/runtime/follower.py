@@ -16,15 +16,16 @@ from dsaserve.engine.rounds import RankRunner
 from dsaserve.engine.shard import build_shard
 from dsaserve.engine.startup import pick_device
 from dsaserve.runtime.engine_process import run_group_leader
-from dsaserve.runtime.ranks import RankJob, rank_threads
+from dsaserve.runtime.ranks import RankJob, rank_threads, share_paths
 
 
 def run_rank(job: RankJob) -> int:
     device = pick_device(job.args.device)
     parallel = init_rank(job.args, job.rank, job.where, device.type)
+    paths = share_paths(parallel, job.paths)
     rank_threads(parallel.sizes)
     if parallel.is_leader:  # another DP-attention group's scheduler
-        return run_group_leader(job.args, job.paths, parallel, job.factory)
+        return run_group_leader(job.args, paths, parallel, job.factory)
     runner = follower_runner(job.args, parallel)
     runner.follow()
     if runner.tiers is not None:

@@ -7,6 +7,7 @@ control calls) and PULL from it (outputs, replies, readiness, fatal errors).
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from typing import Any
 
@@ -88,27 +89,49 @@ def decode_from_engine(data: bytes) -> FromEngine:
 
 
 class IpcPaths(msgspec.Struct):
-    """The two socket addresses: requests go to `to_engine`, results come back on `from_engine`."""
+    """The socket addresses: requests go to `to_engine` (group g's to `for_group(g)`), results
+    come back on `from_engine`. On one node they are `ipc://` files in a private folder; when
+    DP attention spans nodes (`tcp`), TCP ports on node 0's `--dist-init-addr` interface."""
 
     to_engine: str
     from_engine: str
+    group_inboxes: list[str] = msgspec.field(default_factory=list)  # tcp: every group's
 
     @classmethod
     def fresh(cls) -> IpcPaths:
         folder = tempfile.mkdtemp(prefix="dsaserve-ipc-")
         return cls(f"ipc://{folder}/to_engine", f"ipc://{folder}/from_engine")
 
+    @classmethod
+    def tcp(cls, host: str, groups: int) -> IpcPaths:
+        """TCP addresses on `host` (node 0's address, which the other nodes reach): one request
+        port per group and the output port, picked by the OS."""
+        ip = socket.gethostbyname(host)
+        probes = [socket.socket() for _ in range(groups + 1)]
+        try:
+            for probe in probes:
+                probe.bind((ip, 0))
+            ports = [probe.getsockname()[1] for probe in probes]
+        finally:
+            for probe in probes:
+                probe.close()
+        inboxes = [f"tcp://{ip}:{port}" for port in ports[:groups]]
+        return cls(inboxes[0], f"tcp://{ip}:{ports[-1]}", inboxes)
+
     def for_group(self, group: int) -> IpcPaths:
         """Group g's leader (DP attention) or replica g's engine (--dp N) has its own request
         socket; outputs share one."""
+        if self.group_inboxes:
+            return IpcPaths(self.group_inboxes[group], self.from_engine, self.group_inboxes)
         return IpcPaths(self.to_engine + (f"_{group}" if group else ""), self.from_engine)
 
     def cleanup(self, groups: int = 1) -> None:
         extra = [self.for_group(g).to_engine for g in range(1, groups)]
-        for address in (self.to_engine, self.from_engine, *extra):
-            path = address.removeprefix("ipc://")
+        files = [a.removeprefix("ipc://") for a in (self.to_engine, self.from_engine, *extra)
+                 if a.startswith("ipc://")]  # fmt: skip
+        for path in files:
             if os.path.exists(path):
                 os.unlink(path)
-        folder = os.path.dirname(self.to_engine.removeprefix("ipc://"))
+        folder = os.path.dirname(files[0]) if files else ""
         if os.path.isdir(folder) and not os.listdir(folder):
             os.rmdir(folder)

@@ -48,10 +48,16 @@ class EngineProcesses:
             await asyncio.to_thread(_end_now, process)
 
 
-def start_engines(args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None) -> EngineProcesses:
-    """Spawn the engine process (one per `--dp` replica). Its code is imported here, for the
-    spawn: the API process never runs a model."""
+def default_factory() -> Any:
+    """The engine in its --disaggregation-mode role. Its code is imported here, for the spawn:
+    the API process never runs a model."""
     from dsaserve.disaggregation.roles import serving_engine
+
+    return serving_engine
+
+
+def start_engines(args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None) -> EngineProcesses:
+    """Spawn the engine process (one per `--dp` replica)."""
     from dsaserve.runtime.engine_process import run_engine_process
 
     context = multiprocessing.get_context("spawn")
@@ -59,7 +65,7 @@ def start_engines(args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None) ->
     for replica in range(ParallelSizes.from_args(args).replicas):
         process = context.Process(
             target=run_engine_process, name=f"dsaserve-engine-{replica}",
-            args=(args, paths, os.getpid(), factory or serving_engine, replica),
+            args=(args, paths, os.getpid(), factory or default_factory(), replica),
         )  # fmt: skip
         process.start()
         processes.append(process)

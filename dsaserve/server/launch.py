@@ -25,7 +25,7 @@ from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.engine_processes import start_engines, stop_engines
+from dsaserve.server.engine_processes import default_factory, start_engines, stop_engines
 from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
         for note in preflight(args):  # every flag, once, before any process starts
             print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
         if args.node_rank > 0:
-            return serve_node(args)
+            return serve_node(args, engine_factory or default_factory())
         tokenizer = load_tokenizer(args)
     except (ArgsError, ParserConfigError) as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
@@ -108,8 +108,11 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) -> int:
-    paths = ipc.IpcPaths.fresh()
     groups = args.dp_size  # attention groups (DP attention) or engine replicas (--dp alone)
+    if args.nnodes > 1 and groups > 1:  # DP attention over nodes: groups' leaders elsewhere
+        paths = ipc.IpcPaths.tcp(args.dist_init_addr.rpartition(":")[0].strip("[]"), groups)
+    else:
+        paths = ipc.IpcPaths.fresh()
     if groups > 1:
         engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
     else:
