@@ -12,10 +12,12 @@ trees are checked empty after (SIGTERM to the API process alone).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -113,6 +115,49 @@ def test_dp_attention_groups_keep_their_own_tiers(glm, single, tmp_path):
     assert [g["hicache_host_hit_tokens"] for g in groups] == [64, 0]
     assert all(g["hicache_d2h_bytes"] > 0 for g in groups)
     assert len(list(store.iterdir())) == 2  # per attention-TP rank, shared by the two groups
+
+
+def test_kill_a_rank_mid_load_back(glm, tmp_path):
+    """kill -9 of the follower while a request that loads its prefix back from the host tier is
+    in flight (the follower is SIGSTOPped first, so the group's rounds stall on it: in the idle
+    heartbeat or in that request's step, whichever the leader reached; which one is not
+    observable from outside): the request fails within the watchdog time, /health turns 503,
+    every process of the engine is gone and no shared-memory file is left."""
+    shm_before = set(os.listdir("/dev/shm"))
+    flags = [*FLAGS, *storage_flags(tmp_path / "store"), "--tp", "2", "--watchdog-timeout", "20"]
+    with running_server(glm, *flags) as server:
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+        for prompt in PROMPTS[:3]:  # the third evicts the first to the host tier
+            complete(client, prompt)
+        engine = httpx.get(server.url + "/get_server_info", timeout=30).json()["engine_pid"]
+        (follower,) = children(engine)
+        os.kill(follower, signal.SIGSTOP)
+        started = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, client, PROMPTS[0])  # a load-back from host
+            time.sleep(1.5)  # the group's rounds are stalled on the stopped follower
+            assert not answer.done()
+            os.kill(follower, signal.SIGKILL)
+            with pytest.raises(openai.APIError):
+                answer.result(timeout=60)
+        assert time.monotonic() - started < 20 + 10
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        deadline = time.monotonic() + 30
+        while any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
+    assert not left
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):
