@@ -2,9 +2,8 @@
 
 It waits (up to --watchdog-timeout) for node 0's rendezvous port, starts its ranks (under DP
 attention the first rank of each group here is that group's engine, its requests coming from
-node 0's API process over TCP), and exits
-when they do: when node 0 goes away their collectives fail and they exit; when one of them dies
-the others are ended, so no process is left on this node.
+node 0's API process over TCP), and exits when they do: when node 0 goes away their collectives
+fail and they exit; when one of them dies the others are ended, so no process is left here.
 """
 
 from __future__ import annotations
