@@ -53,12 +53,14 @@ def mooncake_available() -> bool:
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
     port, mooncake_port = free_port(), free_port()
-    names = ["colocated", "prefill", "decode", "decode2"]
+    tp2_port = free_port()
+    names = ["colocated", "prefill", "decode", "decode2", "tp2_prefill"]
     specs = [
         (checkpoint, EAGLE, None),
         (checkpoint, EAGLE + pd_flags("prefill", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
+        (checkpoint, EAGLE + pd_flags("prefill", tp2_port, "--tp", "2"), None),
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
@@ -66,8 +68,9 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
             flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
             specs.append((checkpoint, EAGLE + flags, None))
     with running_servers(specs) as started:
-        yield {**dict(zip(names, started)), "bootstrap_port": port,
-               "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
+        ports = {"bootstrap_port": port, "mooncake_bootstrap_port": mooncake_port,
+                 "tp2_bootstrap_port": tp2_port}  # fmt: skip
+        yield {**dict(zip(names, started)), **ports}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +153,27 @@ def test_one_prefill_one_decode_matches_colocated(
     assert layers == rooms * _layers_per_room(checkpoint)
     assert after["pd_bytes"] > before["pd_bytes"]
     assert after["spec_verify_ct"] > 0, "EAGLE ran at the decode"
+    for server in (prefill, decode):
+        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
+def test_a_tp2_prefill_behind_the_router(servers: dict, expected: list, checkpoint: Path) -> None:
+    """Prefill `--tp 2` (its first rank writes every page: the KV is replicated over the group)
+    into a `--tp 1` decode over NIXL: the same answers, every layer's checksum matching."""
+    prefill, decode = servers["tp2_prefill"], servers["decode"]
+    before = stats(decode.url)
+    assert stats(prefill.url)["num_running"] == 0
+    flags = ["--pd-disaggregation", "--prefill", prefill.url,
+             str(servers["tp2_bootstrap_port"]), "--decode", decode.url]  # fmt: skip
+    with running_router(*flags) as router:
+        assert _answers(router.url) == expected
+    after = stats(decode.url)
+    rooms = after["pd_rooms_ok"] - before["pd_rooms_ok"]
+    assert rooms == 5 * len(PROMPTS) and after["pd_checksum_mismatches"] == 0
+    layers = after["pd_checksum_layers_ok"] - before["pd_checksum_layers_ok"]
+    assert layers == rooms * _layers_per_room(checkpoint)
+    info = httpx.get(prefill.url + "/get_server_info", timeout=30).json()
+    assert info["tp_size"] == 2
     for server in (prefill, decode):
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 

@@ -11,8 +11,9 @@ what `--mem-fraction-static`, a GPU's share, would size). One command per distin
 started (the one with the most flags; see STARTED), sent three requests at once with the openai
 SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
 same start-up checks or be refused with one of the messages the README lists. PD-role commands
-(`--disaggregation-mode`) run at tp 1 only, and a prefill or decode answers requests only
-behind the router with its partner: tests/test_pd_router.py starts that trio.
+(`--disaggregation-mode`) run at tp 1 (a prefill also at tp N without DP attention), and a
+prefill or decode answers requests only behind the router with its partner:
+tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ OPTIONS = {
 }
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
-    "--disaggregation-mode with --tp": "pd",
+    "--disaggregation-mode decode with --tp": "pd",
+    "--disaggregation-mode prefill with --enable-dp-attention": "pd-dp",
     "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }
 REWRITTEN = ("--model-path", "--host", "--port")
@@ -132,8 +134,10 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
         elif len(flags) > len(runnable.get(key, [])):
             runnable[key] = flags
     assert refused == set(REFUSED.values())  # each still-refused kind is really printed
-    pd_roles = [key for key in runnable if key.endswith(("prefill", "decode"))]
-    assert pd_roles and all(key.startswith("tp1 ") for key in pd_roles)  # test_pd_router.py
+    decodes = [key for key in runnable if key.endswith("decode")]
+    assert decodes and all(key.startswith("tp1 ") for key in decodes)  # test_pd_router.py
+    prefills = {key.split()[0] for key in runnable if key.endswith("prefill")}
+    assert prefills == {"tp1", "tp4"}  # a prefill runs --tp N (test_pd_router.py: --tp 2)
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
     for key in STARTED:
