@@ -54,13 +54,14 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
     port, mooncake_port = free_port(), free_port()
     tp2_port = free_port()
-    names = ["colocated", "prefill", "decode", "decode2", "tp2_prefill"]
+    names = ["colocated", "prefill", "decode", "decode2", "tp2_prefill", "tp2_decode"]
     specs = [
         (checkpoint, EAGLE, None),
         (checkpoint, EAGLE + pd_flags("prefill", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
         (checkpoint, EAGLE + pd_flags("decode", port), None),
         (checkpoint, EAGLE + pd_flags("prefill", tp2_port, "--tp", "2"), None),
+        (checkpoint, EAGLE + pd_flags("decode", tp2_port, "--tp", "2"), None),
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
@@ -157,10 +158,15 @@ def test_one_prefill_one_decode_matches_colocated(
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
 
-def test_a_tp2_prefill_behind_the_router(servers: dict, expected: list, checkpoint: Path) -> None:
+@pytest.mark.parametrize("decode_name", ["decode", "tp2_decode"])
+def test_a_tp2_prefill_behind_the_router(
+    servers: dict, expected: list, checkpoint: Path, decode_name: str
+) -> None:
     """Prefill `--tp 2` (its first rank writes every page: the KV is replicated over the group)
-    into a `--tp 1` decode over NIXL: the same answers, every layer's checksum matching."""
-    prefill, decode = servers["tp2_prefill"], servers["decode"]
+    into a `--tp 1` decode and into a `--tp 2` decode (whose first rank receives the pages and
+    copies them to its other rank) over NIXL: the same answers, every layer's checksum
+    matching."""
+    prefill, decode = servers["tp2_prefill"], servers[decode_name]
     before = stats(decode.url)
     assert stats(prefill.url)["num_running"] == 0
     flags = ["--pd-disaggregation", "--prefill", prefill.url,

@@ -11,9 +11,8 @@ what `--mem-fraction-static`, a GPU's share, would size). One command per distin
 started (the one with the most flags; see STARTED), sent three requests at once with the openai
 SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
 same start-up checks or be refused with one of the messages the README lists. PD-role commands
-(`--disaggregation-mode`) run at tp 1 (a prefill also at tp N without DP attention), and a
-prefill or decode answers requests only behind the router with its partner:
-tests/test_pd_router.py starts those.
+(`--disaggregation-mode`) run at tp N without DP attention, and a prefill or decode answers
+requests only behind the router with its partner: tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ OPTIONS = {
 }
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
-    "--disaggregation-mode decode with --tp": "pd",
-    "--disaggregation-mode prefill with --enable-dp-attention": "pd-dp",
+    "with --enable-dp-attention --dp 4: one PD role per server": "pd",
     "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }
 REWRITTEN = ("--model-path", "--host", "--port")
@@ -134,10 +132,8 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
         elif len(flags) > len(runnable.get(key, [])):
             runnable[key] = flags
     assert refused == set(REFUSED.values())  # each still-refused kind is really printed
-    decodes = [key for key in runnable if key.endswith("decode")]
-    assert decodes and all(key.startswith("tp1 ") for key in decodes)  # test_pd_router.py
-    prefills = {key.split()[0] for key in runnable if key.endswith("prefill")}
-    assert prefills == {"tp1", "tp4"}  # a prefill runs --tp N (test_pd_router.py: --tp 2)
+    for role in ("prefill", "decode"):  # --tp N, no DP attention (test_pd_router.py: --tp 2)
+        assert {key.split()[0] for key in runnable if key.endswith(role)} == {"tp1", "tp4"}
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
     for key in STARTED:

@@ -5,7 +5,8 @@ record into the decode's memory, then report the room's status.
 With `--tp N` the prefill is one attention group: every rank holds the same KV bytes (the MLA
 entry and indexer keys are replicated), so the group's first rank, which runs this role, writes
 every page from its own pool and registers alone with the bootstrap server (`attn_tp_size` 1);
-the other ranks only compute.
+the other ranks only compute. (A `--tp N` decode's first rank receives it all and copies it to
+its group: `Engine.adopt`.)
 
 Departures from SGLang, on purpose: the write runs in the engine loop right after the forward
 (one synchronous transfer per room, before the pages go back to the radix cache), not in a pool

@@ -21,6 +21,7 @@ from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.grammar_gate import GrammarGate
+from dsaserve.engine.hicache_moves import page_slots
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
@@ -167,6 +168,8 @@ class Engine:
         """Start `req` decoding from KV computed elsewhere: `pages` hold its whole prompt and
         `first` is the token sampled after it (prefill/decode disaggregation)."""
         req.pages, req.kv_len, req.cached_tokens = list(pages), len(req.prompt_ids), 0
+        if self.parallel.attn_tp > 1:  # it arrived in this rank's pool: the group needs it too
+            self.model.share_slots(page_slots(pages, self.pool.page_size))
         self.scheduler.adopt(req)
         self.reqs[req.rid] = req
         self._append(req, first, logprob)

@@ -2,10 +2,12 @@
 
 An op is FORWARD (a ForwardBatch), FORWARD_LOGITS (a ForwardBatch; the forward and then the
 logits of its `logits_rows`, in one round), MTP (a ForwardBatch, the hidden states fed to the MTP
-layer and an optional reused indexer Selection), LOGITS (hidden rows) or HICACHE (the journal
-of the leader's HiCache moves, which its group repeats on its own tiers). Its tensors travel as two
-flat buffers: int64 (a shape header, then every integer/bool tensor) and float (every float
-tensor, in the model dtype). The KV pool tensors are never sent: every rank has its own.
+layer and an optional reused indexer Selection), LOGITS (hidden rows), HICACHE (the journal
+of the leader's HiCache moves, which its group repeats on its own tiers) or KV_SHARE (pool
+entries the leader received from a PD prefill, which its group writes into its own pools).
+Its tensors travel as two flat buffers: int64 (a shape header, then every integer/bool tensor)
+and float (every float tensor, in the model dtype). The KV pool tensors are never sent (every
+rank has its own), except the entries a KV_SHARE copies, as raw bytes in an int64 tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Op(IntEnum):
     STOP = 4
     FORWARD_LOGITS = 5
     HICACHE = 6  # the leader's HiCache moves, repeated by its group (engine/hicache_moves.py)
+    KV_SHARE = 7  # KV the leader received (a PD decode), copied into its group's pools
 
 
 @dataclass
@@ -35,7 +38,7 @@ class OpInputs:
     batch: ForwardBatch | None = None
     hidden: torch.Tensor | None = None
     reuse: Selection | None = None
-    moves: torch.Tensor | None = None  # HICACHE: the journal (int64)
+    moves: torch.Tensor | None = None  # HICACHE: the journal; KV_SHARE: slots + bytes (int64)
 
     @property
     def logits_rows(self) -> int:
@@ -65,7 +68,7 @@ def _tensors(inputs: OpInputs) -> list[torch.Tensor | None]:
         out += [e.ctx_slots for e in b.extends]
     if inputs.op in (Op.MTP, Op.LOGITS):
         out.append(inputs.hidden)
-    if inputs.op == Op.HICACHE:
+    if inputs.op in (Op.HICACHE, Op.KV_SHARE):
         out.append(inputs.moves)
     if inputs.op == Op.MTP:
         reuse = inputs.reuse
@@ -133,7 +136,7 @@ def _rebuild(op: Op, tensors, kv_cache, index_cache) -> OpInputs:
                                     valid, logits_rows, kv_cache, index_cache)  # fmt: skip
     if op in (Op.MTP, Op.LOGITS):
         inputs.hidden = next(tensors)
-    if op == Op.HICACHE:
+    if op in (Op.HICACHE, Op.KV_SHARE):
         inputs.moves = next(tensors)
     if op == Op.MTP:
         count = int(next(tensors)[0])
@@ -149,8 +152,31 @@ def empty(op: Op, hidden_size: int, dtype: torch.dtype, kv_cache, index_cache, d
     hidden = torch.zeros(0, hidden_size, dtype=dtype, device=device)
     if op == Op.LOGITS:
         return OpInputs(op, hidden=hidden)
-    if op == Op.HICACHE:
+    if op in (Op.HICACHE, Op.KV_SHARE):
         return OpInputs(op)
     batch = ForwardBatch(long, long, long, [], long, long.view(0, 0),
                          long.view(0, 0).bool(), long, kv_cache, index_cache)  # fmt: skip
     return OpInputs(op, batch=batch, hidden=hidden if op == Op.MTP else None)
+
+
+def pool_entries(kv_cache: torch.Tensor, index_cache: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """KV_SHARE's message: `slots` and their entries in every layer of both pool tensors, as raw
+    bytes, in one int64 tensor on the host."""
+    dev = kv_cache.device
+    parts = [t[:, slots.to(dev)].cpu().contiguous().view(torch.uint8).flatten()
+             for t in (kv_cache, index_cache)]  # fmt: skip
+    raw = torch.cat([*parts, torch.zeros((-sum(p.numel() for p in parts)) % 8, dtype=torch.uint8)])
+    return torch.cat([torch.tensor([slots.numel()]), slots.long().cpu(), raw.view(torch.int64)])
+
+
+def write_entries(kv_cache: torch.Tensor, index_cache: torch.Tensor, message: torch.Tensor) -> None:
+    """Write a `pool_entries` message into this rank's own pool tensors."""
+    n = int(message[0])
+    slots, raw = message[1 : 1 + n], message[1 + n :].clone().view(torch.uint8)
+    start = 0
+    for t in (kv_cache, index_cache):
+        size = t.shape[0] * n * t.shape[2] * t.element_size()
+        part = raw[start : start + size].clone().view(t.dtype).view(t.shape[0], n, t.shape[2])
+        t[:, slots.to(t.device)] = part.to(t.device)
+        start += size

@@ -21,7 +21,15 @@ import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.hicache_moves import TierMoves
-from dsaserve.engine.round_payload import Op, OpInputs, empty, pack, unpack
+from dsaserve.engine.round_payload import (
+    Op,
+    OpInputs,
+    empty,
+    pack,
+    pool_entries,
+    unpack,
+    write_entries,
+)
 from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
@@ -140,6 +148,10 @@ class RankRunner:
             if inputs.moves is not None and not self.parallel.is_leader:
                 self.tiers.replay(inputs.moves)
             return None
+        if inputs.op == Op.KV_SHARE:  # the leader's pool has them already
+            if inputs.moves is not None and not self.parallel.is_leader:
+                write_entries(self.kv_cache, self.index_cache, inputs.moves)
+            return None
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
                 return model()
@@ -196,6 +208,12 @@ class DistributedModel:
         if moves is not None:
             self._run(OpInputs(Op.HICACHE, moves=moves))
         return moves is not None
+
+    def share_slots(self, slots: torch.Tensor) -> None:
+        """Copy these pool slots' entries (every layer) from this leader's pool into its group's
+        (KV that arrived here only: a PD decode's)."""
+        message = pool_entries(self.runner.kv_cache, self.runner.index_cache, slots)
+        self._run(OpInputs(Op.KV_SHARE, moves=message))
 
     def __call__(self) -> torch.Tensor:
         return self._run(OpInputs(Op.FORWARD, batch=current_batch()))
