@@ -6,8 +6,9 @@ ones to the host tier; the first again comes back from the host tier (each rank 
 copy: a rank that skipped it would attend to stale KV for its heads), with `cached_tokens`
 reported and the same tokens and logprobs as the single process, which runs the same requests
 with the same flags. Then both restart on the file tier: the first prompt comes back from
-storage (each rank reads its own files). DP attention: each group has its own tiers. The process
-trees are checked empty after (SIGTERM to the API process alone).
+storage (each rank reads its own files), and a rank is killed with a load-back in flight. DP
+attention: each group has its own tiers. The process trees are checked empty after (SIGTERM to
+the API process alone).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,6 +31,7 @@ from speculative_models import make_mtp_checkpoint
 
 PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(6)]
 NEW = 6
+WATCHDOG_S = 60
 FLAGS = ["--dtype", "float32", "--chunked-prefill-size", "32", "--watchdog-timeout", "60",
          "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
          "--max-total-tokens", "192", "--context-length", "120", "--enable-hierarchical-cache",
@@ -54,17 +57,20 @@ def complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]
     return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs), cached
 
 
-def serve_sequence(model: Path, store: Path, *flags: str, restart: bool = True) -> tuple:
+def serve_sequence(model: Path, store: Path, *flags: str, restart: bool = True,
+                   last: Callable = None) -> tuple:  # fmt: skip
     """The six prompts, then the first again (from the host tier); restarted on the same file
-    tier, the first again (from storage). The answers and the stats after each part."""
+    tier, the first again (from storage). The answers and the stats after each part. The last
+    server is ended by `last(server)` (a clean stop by default)."""
     runs, stats = [], []
-    for prompts in ([*PROMPTS, PROMPTS[0]], [PROMPTS[0]])[: 1 + restart]:
+    parts = ([*PROMPTS, PROMPTS[0]], [PROMPTS[0]])[: 1 + restart]
+    for i, prompts in enumerate(parts):
         with running_server(model, *FLAGS, *storage_flags(store), *flags) as server:
             client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
             runs += [complete(client, p) for p in prompts]
             info = httpx.get(server.url + "/get_server_info", timeout=60).json()
             stats.append(info["internal_states"][0])
-            stop_cleanly(server)
+            (last or stop_cleanly)(server) if i == len(parts) - 1 else stop_cleanly(server)
     return runs, stats
 
 
@@ -92,7 +98,8 @@ def stop_cleanly(server) -> None:
 
 def test_tp2_host_and_file_tiers_match_the_single_process(glm, single, tmp_path):
     (want, want_stats), store = single, tmp_path / "tp2"
-    got, (stats, restarted) = serve_sequence(glm, store, "--tp", "2")
+    got, (stats, restarted) = serve_sequence(glm, store, "--tp", "2",
+                                             last=kill_a_rank_mid_load_back)  # fmt: skip
     assert_same(got, want)
     assert [c for _, _, c in got] == [0] * 6 + [64, 64]  # whole pages of the 80 tokens
     assert stats["hicache_host_hit_tokens"] == want_stats[0]["hicache_host_hit_tokens"] == 64
@@ -117,35 +124,31 @@ def test_dp_attention_groups_keep_their_own_tiers(glm, single, tmp_path):
     assert len(list(store.iterdir())) == 2  # per attention-TP rank, shared by the two groups
 
 
-def test_kill_a_rank_mid_load_back(glm, tmp_path):
-    """kill -9 of the follower while a request that loads its prefix back from the host tier is
+def kill_a_rank_mid_load_back(server) -> None:
+    """kill -9 of the follower while a request whose prefix loads back from the storage tier is
     in flight (the follower is SIGSTOPped first, so the group's rounds stall on it: in the idle
     heartbeat or in that request's step, whichever the leader reached; which one is not
     observable from outside): the request fails within the watchdog time, /health turns 503,
     every process of the engine is gone and no shared-memory file is left."""
     shm_before = set(os.listdir("/dev/shm"))
-    flags = [*FLAGS, *storage_flags(tmp_path / "store"), "--tp", "2", "--watchdog-timeout", "20"]
-    with running_server(glm, *flags) as server:
-        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
-        for prompt in PROMPTS[:3]:  # the third evicts the first to the host tier
-            complete(client, prompt)
-        engine = httpx.get(server.url + "/get_server_info", timeout=30).json()["engine_pid"]
-        (follower,) = children(engine)
-        os.kill(follower, signal.SIGSTOP)
-        started = time.monotonic()
-        with ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(complete, client, PROMPTS[0])  # a load-back from host
-            time.sleep(1.5)  # the group's rounds are stalled on the stopped follower
-            assert not answer.done()
-            os.kill(follower, signal.SIGKILL)
-            with pytest.raises(openai.APIError):
-                answer.result(timeout=60)
-        assert time.monotonic() - started < 20 + 10
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-        deadline = time.monotonic() + 30
-        while any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower)):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
+    engine = httpx.get(server.url + "/get_server_info", timeout=30).json()["engine_pid"]
+    (follower,) = children(engine)
+    os.kill(follower, signal.SIGSTOP)
+    started = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, client, PROMPTS[1])  # stored by the first server
+        time.sleep(1.5)  # the group's rounds are stalled on the stopped follower
+        assert not answer.done()
+        os.kill(follower, signal.SIGKILL)
+        with pytest.raises(openai.APIError):
+            answer.result(timeout=60)
+    assert time.monotonic() - started < WATCHDOG_S + 10
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower)):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
     assert not left
 

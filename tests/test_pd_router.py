@@ -158,15 +158,13 @@ def test_one_prefill_one_decode_matches_colocated(
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
 
-@pytest.mark.parametrize("decode_name", ["decode", "tp2_decode"])
-def test_a_tp2_prefill_behind_the_router(
-    servers: dict, expected: list, checkpoint: Path, decode_name: str
+def test_a_tp2_prefill_into_a_tp2_decode_behind_the_router(
+    servers: dict, expected: list, checkpoint: Path
 ) -> None:
     """Prefill `--tp 2` (its first rank writes every page: the KV is replicated over the group)
-    into a `--tp 1` decode and into a `--tp 2` decode (whose first rank receives the pages and
-    copies them to its other rank) over NIXL: the same answers, every layer's checksum
-    matching."""
-    prefill, decode = servers["tp2_prefill"], servers[decode_name]
+    into a `--tp 2` decode (whose first rank receives the pages and copies them to its other
+    rank) over NIXL: the same answers, every layer's checksum matching."""
+    prefill, decode = servers["tp2_prefill"], servers["tp2_decode"]
     before = stats(decode.url)
     assert stats(prefill.url)["num_running"] == 0
     flags = ["--pd-disaggregation", "--prefill", prefill.url,
