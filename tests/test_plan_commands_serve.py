@@ -11,8 +11,8 @@ what `--mem-fraction-static`, a GPU's share, would size). One command per distin
 started (the one with the most flags; see STARTED), sent three requests at once with the openai
 SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
 same start-up checks or be refused with one of the messages the README lists. PD-role commands
-(`--disaggregation-mode`) run at tp N without DP attention, and a prefill or decode answers
-requests only behind the router with its partner: tests/test_pd_router.py starts those.
+(`--disaggregation-mode`) run at tp N (a decode under DP attention too), and a prefill or decode
+answers requests only behind the router with its partner: tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ OPTIONS = {
 }
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
-    "with --enable-dp-attention --dp 4: one PD role per server": "pd",
+    "--disaggregation-mode prefill with --enable-dp-attention": "pd",
     "--speculative-algorithm DFLASH2 is not supported": "dflash2",
 }
 REWRITTEN = ("--model-path", "--host", "--port")
@@ -132,8 +132,9 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, tmp_path_
         elif len(flags) > len(runnable.get(key, [])):
             runnable[key] = flags
     assert refused == set(REFUSED.values())  # each still-refused kind is really printed
-    for role in ("prefill", "decode"):  # --tp N, no DP attention (test_pd_router.py: --tp 2)
+    for role in ("prefill", "decode"):  # --tp N (a decode under DP attention too)
         assert {key.split()[0] for key in runnable if key.endswith(role)} == {"tp1", "tp4"}
+    assert any(" dpa1 " in key for key in runnable if key.endswith("decode"))
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
     for key in STARTED:

@@ -3,7 +3,8 @@ the prompt's KV pages and an aux slot, send their indices for the room, and star
 prefill reports Success (and, with NIXL, its write notification arrived): the first token and its
 logprob come from the aux record, the rest is ordinary decoding (EAGLE included). With `--tp N`
 this is the group's first rank: the KV lands in its pool and `Engine.adopt` copies it to the
-group's other ranks (a KV_SHARE round) before the request decodes.
+group's other ranks (a KV_SHARE round) before the request decodes. Under DP attention each
+attention group's first rank runs its own decode role for the requests dispatched to it.
 
 A room fails, with its pages and aux slot freed at once, when the prefill reports Failed, the
 heartbeat loses the prefill, the checksums differ, or `--disaggregation-timeout` passes.

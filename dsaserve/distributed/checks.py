@@ -49,10 +49,10 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
     if args.enable_hierarchical_cache and sizes.cp > 1:
         raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
                         "does not move context-parallel pools yet; drop one")  # fmt: skip
-    if sizes.groups > 1 and args.disaggregation_mode != "null":
-        raise ArgsError(f"--disaggregation-mode {args.disaggregation_mode} with "
-                        f"--enable-dp-attention --dp {sizes.dp}: one PD role per server, not per "
-                        "attention group, in this build; use --tp N alone")  # fmt: skip
+    if sizes.groups > 1 and args.disaggregation_mode == "prefill":
+        raise ArgsError(f"--disaggregation-mode prefill with --enable-dp-attention --dp "
+                        f"{sizes.dp}: one bootstrap server per prefill, not per attention group, "
+                        "in this build; use --tp N alone (a decode may)")  # fmt: skip
     if args.dist_init_addr and not _is_host_port(args.dist_init_addr):
         raise ArgsError(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
 
