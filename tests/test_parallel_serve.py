@@ -197,11 +197,13 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm, glm_expected):
 
 def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
     """`--dp 2` without DP attention: two engine processes of two ranks each behind one server
-    (SGLang's data-parallel replicas), both used; kill -9 of one ends the other; SIGTERM leaves
-    no process of the server's group."""
-    flags = ["--tp", "2", "--dp", "2", "--load-balance-method", "round_robin"]
+    (SGLang's data-parallel replicas, each with its own HiCache tiers), both used; kill -9 of
+    one ends the other; SIGTERM leaves no process of the server's group."""
+    flags = ["--tp", "2", "--dp", "2", "--load-balance-method", "round_robin",
+             "--enable-hierarchical-cache"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
         stats = check_layout(server, glm_expected)
+        assert all(g["hicache_d2h_bytes"] > 0 for g in stats["dp_groups"])  # each its own tiers
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         assert info["dp_size"] == 2 and not info["enable_dp_attention"]
         groups = stats["dp_groups"]
