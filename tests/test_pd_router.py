@@ -31,6 +31,7 @@ from dsaserve.models.dsa_moe import index_cache_ids
 
 pytestmark = [requires_router, requires_nixl]
 EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
+DPA = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
 PROMPTS = [
     "Write a short poem about the sea, the wind and the old lighthouse keeper who lives there.",
     "List three facts about volcanoes, and explain why each one matters to people nearby.",
@@ -55,12 +56,17 @@ def mooncake_available() -> bool:
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
     port, mooncake_port = free_port(), free_port()
-    names = ["colocated", "prefill", "decode", "decode2"]
+    tp2_port = free_port()
+    names = ["colocated", "prefill", "decode", "decode2", "tp2_prefill", "tp2_decode",
+             "dpa_decode"]  # fmt: skip
     specs = [
         (checkpoint, EAGLE, None),
         (checkpoint, EAGLE + pd_flags("prefill", port), SECRET),
         (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
         (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
+        (checkpoint, EAGLE + pd_flags("prefill", tp2_port, "--tp", "2"), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", tp2_port, "--tp", "2"), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", tp2_port, *DPA), SECRET),
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
@@ -68,8 +74,9 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
             flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
             specs.append((checkpoint, EAGLE + flags, SECRET))
     with running_servers(specs) as started:
-        yield {**dict(zip(names, started)), "bootstrap_port": port,
-               "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
+        ports = {"bootstrap_port": port, "mooncake_bootstrap_port": mooncake_port,
+                 "tp2_bootstrap_port": tp2_port}  # fmt: skip
+        yield {**dict(zip(names, started)), **ports}
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +159,35 @@ def test_one_prefill_one_decode_matches_colocated(
     assert layers == rooms * _layers_per_room(checkpoint)
     assert after["pd_bytes"] > before["pd_bytes"]
     assert after["spec_verify_ct"] > 0, "EAGLE ran at the decode"
+    for server in (prefill, decode):
+        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
+@pytest.mark.parametrize("decode_name", ["tp2_decode", "dpa_decode"])
+def test_a_tp2_prefill_into_parallel_decodes_behind_the_router(
+    servers: dict, expected: list, checkpoint: Path, decode_name: str
+) -> None:
+    """Prefill `--tp 2` (its first rank writes every page: the KV is replicated over the group)
+    into a `--tp 2` decode (whose first rank receives the pages and copies them to its other
+    rank) and into a `--tp 2 --dp 2 --enable-dp-attention` decode (each group its own decode
+    role, receiving its rooms' KV) over NIXL: the same answers, every layer's checksum
+    matching."""
+    prefill, decode = servers["tp2_prefill"], servers[decode_name]
+    before = stats(decode.url)
+    assert stats(prefill.url)["num_running"] == 0
+    flags = ["--pd-disaggregation", "--prefill", prefill.url,
+             str(servers["tp2_bootstrap_port"]), "--decode", decode.url]  # fmt: skip
+    with running_router(*flags) as router:
+        assert _answers(router.url) == expected
+    after = stats(decode.url)
+    rooms = after["pd_rooms_ok"] - before["pd_rooms_ok"]
+    assert rooms == 5 * len(PROMPTS) and after["pd_checksum_mismatches"] == 0
+    layers = after["pd_checksum_layers_ok"] - before["pd_checksum_layers_ok"]
+    assert layers == rooms * _layers_per_room(checkpoint)
+    info = httpx.get(prefill.url + "/get_server_info", timeout=30).json()
+    assert info["tp_size"] == 2
+    groups = after.get("dp_groups") or [after]
+    assert all(g["pd_rooms_ok"] > 0 for g in groups)  # under DP attention: both groups
     for server in (prefill, decode):
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
