@@ -203,14 +203,18 @@ def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
     flags = ["--tp", "2", "--dp", "2", "--load-balance-method", "round_robin",
              "--enable-hierarchical-cache"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
-        stats = check_layout(server, glm_expected)
-        assert all(g["hicache_d2h_bytes"] > 0 for g in stats["dp_groups"])  # each its own tiers
+        check_layout(server, glm_expected)
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+        for k in range(2):  # new prefixes, one after the other: one to each replica (whole pages)
+            complete(client, [(7 * i + k) % 290 + 3 for i in range(20)])
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        stats = info["internal_states"][0]
+        assert all(g["hicache_d2h_bytes"] > 0 for g in stats["dp_groups"])  # each its own tiers
         assert info["dp_size"] == 2 and not info["enable_dp_attention"]
         groups = stats["dp_groups"]
         assert len(groups) == 2 and all(g["prompt_tokens"] > 0 for g in groups)
         assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
-        assert min(stats["dp_dispatched"]) > 0 and sum(stats["dp_dispatched"]) == 4
+        assert min(stats["dp_dispatched"]) > 0 and sum(stats["dp_dispatched"]) == 6
         replicas = info["dp_group_pids"]
         assert len(set(replicas)) == 2 and replicas[0] == info["engine_pid"]
         assert set(replicas) <= set(children(server.process.pid))  # two engine processes
