@@ -1,6 +1,6 @@
 """HiCache on the embedded model: TTFT of an evicted prefix, and a Claude-Code-like workload.
 
-    python bench/hicache.py [--prefix-lens 8192,32768] [--threads N] [--skip-workload]
+    python bench/hicache.py [--prefix-lens 8192,32768] [--threads N] [--skip-workload] [--tp N]
 
 1. For each prefix length: a request `prefix + suffix` runs cold (recompute); then every
    device page is evicted (`cache.evict`, what the scheduler calls when it needs room: with
@@ -8,6 +8,7 @@
    host (host hit). A fresh engine on the same storage directory (a restart) times it again from
    storage (storage hit, wait_complete).
    TTFT = the wall time of a 1-token request (prefill of the suffix + loading the prefix).
+   With `--tp N` the engine runs N ranks (this process is rank 0), each moving its own copy.
 2. A Claude-Code-like workload: a fixed system + tools prefix, conversations taking turns round
    robin (each turn adds the previous reply and a new user message), more conversations than the
    device pool holds. Hit rate (cached / prompt tokens) and mean TTFT, hierarchy off vs on.
@@ -70,21 +71,23 @@ def engine(pool: int, store: Path | None, **kw) -> LLM:
     return LLM(None, **flags, **kw)
 
 
-def evicted_prefix(prefix_len: int, store: Path) -> dict:
+def evicted_prefix(prefix_len: int, store: Path, **kw) -> dict:
     prefix = tokens(prefix_len, 1)
     pool = prefix_len + 4 * PAGE + SUFFIX  # one request of this length, never two
-    llm = engine(pool, store)
+    llm = engine(pool, store, **kw)
     recompute, _ = ttft(llm, prefix + tokens(SUFFIX, 2))
     llm.engine.cache.evict(llm.engine.pool.pages.num_pages)  # the whole device pool, to host
     assert llm.engine.stats()["kv_cached_tokens"] == 0
     host, host_cached = ttft(llm, prefix + tokens(SUFFIX, 4))
     stats = llm.engine.stats()
     llm.engine.cache.storage.drain()
-    del llm
-    restarted = engine(pool, store)
+    llm.close()  # with ranks: each drains its own storage writes before it exits
+    restarted = engine(pool, store, **kw)
     storage, storage_cached = ttft(restarted, prefix + tokens(SUFFIX, 5))
     s2 = restarted.engine.stats()
-    return {"prefix_len": prefix_len, "recompute_s": recompute, "host_hit_s": host,
+    restarted.close()
+    return {"prefix_len": prefix_len, "tp": kw.get("tp_size", 1), "recompute_s": recompute,
+            "host_hit_s": host,
             "storage_hit_s": storage, "host_cached_tokens": host_cached,
             "storage_cached_tokens": storage_cached, "host_ratio": host / recompute,
             "storage_ratio": storage / recompute, "h2d_bytes": stats["hicache_h2d_bytes"],
@@ -122,6 +125,7 @@ def main() -> None:
     ap.add_argument("--skip-workload", action="store_true")
     ap.add_argument("--convs", type=int, default=4)
     ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="ranks (the evicted-prefix rows only)")
     ap.add_argument("--json", default="bench/results/hicache.json")
     args = ap.parse_args()
     if args.threads:
@@ -129,9 +133,9 @@ def main() -> None:
     results: dict = {"threads": torch.get_num_threads(), "evicted_prefix": [], "workload": []}
     for n in [int(x) for x in args.prefix_lens.split(",")]:
         with tempfile.TemporaryDirectory() as store:
-            row = evicted_prefix(n, Path(store))
+            row = evicted_prefix(n, Path(store), tp_size=args.tp)
         results["evicted_prefix"].append(row)
-        line = (f"prefix {n:>6}: recompute {row['recompute_s']:.2f} s | host hit "
+        line = (f"tp {args.tp} prefix {n:>6}: recompute {row['recompute_s']:.2f} s | host hit "
                 f"{row['host_hit_s']:.3f} s ({row['host_ratio']:.3f}x) | storage hit (restart) "
                 f"{row['storage_hit_s']:.3f} s ({row['storage_ratio']:.3f}x)")  # fmt: skip
         print(line, flush=True)

@@ -1,9 +1,11 @@
 """Issue 32, the parts without an engine: the bootstrap server's authentication, its rank table
 (no overwrite), its HTTP limits; defensive parsing of every PD frame (hypothesis); CURVE between
-ZMQ peers; where internal surfaces listen and what they advertise."""
+ZMQ peers (the cross-node engine sockets too); where internal surfaces listen and what they
+advertise."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -31,6 +33,8 @@ from dsaserve.disaggregation.protocol import (
     parse_to_prefill,
 )
 from dsaserve.disaggregation.registry import RankTable
+from dsaserve.runtime import ipc
+from dsaserve.server.dp_controller import DPEngineClient
 
 SECRET = "s3cret-for-the-cluster"
 RANK = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
@@ -254,6 +258,49 @@ def test_curve_admits_only_the_secret() -> None:
     assert _push_pull(SECRET, "another secret") is None
     assert _push_pull(SECRET, None) is None  # a plain client never completes the handshake
     assert _push_pull(None, None) == [b"hello", b"world"]  # no secret: plain (loopback only)
+
+
+def test_the_cross_node_engine_sockets_admit_only_the_secret() -> None:
+    """DP attention across nodes: the API process's TCP request and output sockets
+    (runtime/ipc.py) are CURVE servers. A group leader with another secret, or none, never
+    completes the handshake (no request reaches it, its outputs never arrive); one with the
+    secret exchanges frames both ways."""
+    assert asyncio.run(_engine_sockets()) == [False, False, True]
+
+
+async def _engine_sockets() -> list[bool]:
+    paths = ipc.IpcPaths.tcp("127.0.0.1", 2)
+    client = DPEngineClient(paths, 2, secret=SECRET)
+    delivered = []
+    try:
+        for secret in ("another secret", None, SECRET):
+            context = zmq.Context()
+            auth = ipc.auth_sockets(context, paths, secret)
+            inbox = ipc.dial_socket(auth, context.socket(zmq.PULL))
+            inbox.connect(paths.for_group(1).to_engine)
+            outbox = ipc.dial_socket(auth, context.socket(zmq.PUSH))
+            outbox.connect(paths.from_engine)
+            request = bool(client.sockets[1].poll(1500, zmq.POLLOUT))  # a handshake completed
+            if request:
+                client.sockets[1].send(ipc.encode(ipc.Abort(["r"])))
+                assert inbox.poll(5000)
+                assert ipc.decode_to_engine(inbox.recv()) == ipc.Abort(["r"])
+            with contextlib.suppress(zmq.Again):  # no pipe (a refused handshake): not sent
+                outbox.send(ipc.encode(ipc.Fatal("m")), zmq.NOBLOCK)
+            output = bool(await client.from_engine.poll(1500))
+            if output:
+                assert ipc.decode_from_engine(await client.from_engine.recv()) == ipc.Fatal("m")
+            assert request == output
+            delivered.append(request)
+            for sock in (inbox, outbox):
+                sock.close(linger=0)
+            if auth is not None:
+                auth.close()
+            context.term()
+    finally:
+        client.close()
+        paths.cleanup(2)
+    return delivered
 
 
 # ---- where surfaces listen and what they advertise ---------------------------------------------

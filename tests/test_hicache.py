@@ -15,7 +15,8 @@ import torch
 from speculative_models import make_mtp_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.hicache import HiRadixCache, page_slots
+from dsaserve.engine.hicache import HiRadixCache
+from dsaserve.engine.hicache_moves import page_slots
 
 PAGE = 8
 POOL = 96  # 12 pages: one 64-token prefix + its suffix and output, never two prefixes
@@ -142,7 +143,7 @@ def test_round_trip_catches_indexer_keys_left_behind(checkpoint, monkeypatch):
     """The check above fails if a move forgets the indexer keys (the SGLang DSA bug class)."""
 
     def latent_only(self, device_pages, host_pages):
-        ds, hs = self._slots(device_pages), page_slots(host_pages, self.page_size)
+        ds, hs = page_slots(device_pages, self.page_size), page_slots(host_pages, self.page_size)
         self.host.kv_cache[:, hs] = self.kv_pool.kv_cache[:, ds]
 
     monkeypatch.setattr(HiRadixCache, "_copy_d2h", latent_only)

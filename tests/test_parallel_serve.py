@@ -49,6 +49,11 @@ def deepseek(tmp_path_factory):
     return make_checkpoint(folder, "deepseek", seed=2, vocab_size=383)
 
 
+@pytest.fixture(scope="module")
+def glm_expected(glm):
+    return reference(glm, spec=True)
+
+
 def reference(model, spec: bool) -> list[tuple[str, list[float]]]:
     extra = {"speculative_algorithm": "EAGLE", "speculative_num_steps": 2} if spec else {}
     llm = LLM(str(model), dtype="float32", max_total_tokens=4096, page_size=16,
@@ -163,8 +168,8 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_glm_eagle_tp_and_dp_attention_layouts(glm):
-    expected = reference(glm, spec=True)
+def test_glm_eagle_tp_and_dp_attention_layouts(glm, glm_expected):
+    expected = glm_expected
     with running_server(glm, *COMMON, *EAGLE, "--tp", "2") as server:
         check_layout(server, expected)
     flags = ["--tp", "4", "--dp", "2", "--ep", "4", "--enable-dp-attention",
@@ -189,6 +194,43 @@ def test_glm_eagle_tp_and_dp_attention_layouts(glm):
         cancels = 'sglang:num_requests_total{finish_reason="client_cancel",model_name="ckpt"} 2.0'
         assert cancels in httpx.get(server.url + "/metrics").text
         kill_rank_mid_stream(server, rank_pids(server.process.pid)[0])
+
+
+def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
+    """`--dp 2` without DP attention: two engine processes of two ranks each behind one server
+    (SGLang's data-parallel replicas, each with its own HiCache tiers), both used; kill -9 of
+    one ends the other; SIGTERM leaves no process of the server's group."""
+    flags = ["--tp", "2", "--dp", "2", "--load-balance-method", "round_robin",
+             "--enable-hierarchical-cache"]  # fmt: skip
+    with running_server(glm, *COMMON, *EAGLE, *flags) as server:
+        check_layout(server, glm_expected)
+        client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
+        for k in range(2):  # new prefixes, one after the other: one to each replica (whole pages)
+            complete(client, [(7 * i + k) % 290 + 3 for i in range(20)])
+        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+        stats = info["internal_states"][0]
+        assert all(g["hicache_d2h_bytes"] > 0 for g in stats["dp_groups"])  # each its own tiers
+        assert info["dp_size"] == 2 and not info["enable_dp_attention"]
+        groups = stats["dp_groups"]
+        assert len(groups) == 2 and all(g["prompt_tokens"] > 0 for g in groups)
+        assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
+        assert min(stats["dp_dispatched"]) > 0 and sum(stats["dp_dispatched"]) == 6
+        replicas = info["dp_group_pids"]
+        assert len(set(replicas)) == 2 and replicas[0] == info["engine_pid"]
+        assert set(replicas) <= set(children(server.process.pid))  # two engine processes
+        ranks = [pid for r in replicas for pid in children(r)]
+        assert len(ranks) == 2  # one more rank each (--tp 2)
+        load = httpx.get(server.url + "/get_load", timeout=30).json()
+        assert [entry["dp_rank"] for entry in load] == [0, 1]
+        os.kill(replicas[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert_gone([*replicas, *ranks])  # the surviving replica was ended too
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(60) == 0
+        assert_gone(group_members(server.process.pid))
 
 
 def test_offline_llm_drives_the_same_ranks(deepseek):
@@ -271,6 +313,32 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     assert not group_members(node1.pid)
 
 
+def test_dp_attention_across_two_nodes(glm, glm_expected):
+    """`--tp 2 --dp 2 --enable-dp-attention --nnodes 2`: group 1's engine runs on node 1 (its
+    own command), driven from node 0's controller over TCP; the MoE step spans both nodes.
+    kill -9 of node 1 mid-stream: 503, nothing left on either node."""
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2",
+             "--dist-init-addr", addr]  # fmt: skip
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(glm), *COMMON, *EAGLE,
+         "--max-total-tokens", "4096", "--page-size", "16", *nodes, "--node-rank", "1"],
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with running_server(glm, *COMMON, *EAGLE, *nodes, "--node-rank", "0") as server:
+            stats = check_layout(server, glm_expected)
+            assert all(g["prompt_tokens"] > 0 for g in stats["dp_groups"])  # both groups
+            info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+            assert info["dp_group_pids"][1] in group_members(node1.pid)  # group 1 on node 1
+            kill_rank_mid_stream(server, node1.pid)
+        assert node1.wait(30) is not None
+    finally:
+        stop_group(node1)
+    assert not group_members(node1.pid)
+
+
 def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
     addr = f"127.0.0.1:{free_port()}"  # nobody listens there
     command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),
@@ -290,7 +358,10 @@ def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
         (["--tp", "3"], "does not divide the model's 4 attention heads"),
         (["--tp", "2", "--ep", "3"], "--ep 3 must divide --tp 2"),
         (["--tp", "2", "--dp", "4", "--enable-dp-attention"], "--dp 4 must divide --tp 2"),
-        (["--tp", "2", "--dp", "2"], "add --enable-dp-attention"),
+        (
+            ["--tp", "2", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
+            "replicas (without --enable-dp-attention) run on one node",
+        ),
     ],
 )
 def test_layout_refused_before_any_process(deepseek, flags, message, capsys):

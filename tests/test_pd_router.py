@@ -2,7 +2,10 @@
 through 1 prefill + 1 decode (and + 2 decodes) equals one colocated `dsaserve serve` on the same
 checkpoint, EAGLE at the decode, prompts longer than index_topk; the per-room checksums show the
 decode received exactly the bytes the prefill computed for every layer, indexer layer and MTP.
-The PD roles hold a cluster secret: their bootstrap routes and ZMQ frames are authenticated."""
+The NIXL prefill runs `--tp 2` (its first rank writes every page); its decodes run `--tp 1`,
+`--tp 2` (the first rank copies what it received to the other: KV_SHARE) and `--tp 2 --dp 2
+--enable-dp-attention`; the Mooncake pair runs `--tp 1`. The PD roles hold a cluster secret:
+their bootstrap routes and ZMQ frames are authenticated."""
 
 from __future__ import annotations
 
@@ -31,11 +34,13 @@ from dsaserve.models.dsa_moe import index_cache_ids
 
 pytestmark = [requires_router, requires_nixl]
 EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
+DPA = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
 PROMPTS = [
     "Write a short poem about the sea, the wind and the old lighthouse keeper who lives there.",
     "List three facts about volcanoes, and explain why each one matters to people nearby.",
 ]
 SECRET = {"DSASERVE_CLUSTER_SECRET": "pd-router-secret"}  # bootstrap and ZMQ authenticated
+QUICK = [0, 4, 5, 9]  # _answers(quick=True) of the full list: each prompt's chat and /generate
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +58,16 @@ def mooncake_available() -> bool:
 
 @pytest.fixture(scope="module")
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
-    """Colocated, prefill + 2 decodes (NIXL), and (where Mooncake imports) prefill + decode."""
+    """Colocated; a `--tp 2` prefill with three decodes (NIXL): `--tp 1`, `--tp 2` and
+    `--tp 2 --dp 2 --enable-dp-attention`; and (where Mooncake imports) a `--tp 1` pair."""
     port, mooncake_port = free_port(), free_port()
-    names = ["colocated", "prefill", "decode", "decode2"]
+    names = ["colocated", "prefill", "decode", "decode2", "dpa_decode"]
     specs = [
         (checkpoint, EAGLE, None),
-        (checkpoint, EAGLE + pd_flags("prefill", port), SECRET),
+        (checkpoint, EAGLE + pd_flags("prefill", port, "--tp", "2"), SECRET),
         (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
-        (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", port, "--tp", "2"), SECRET),
+        (checkpoint, EAGLE + pd_flags("decode", port, *DPA), SECRET),
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
@@ -77,8 +84,9 @@ def expected(servers: dict) -> list:
     return _answers(servers["colocated"].url)
 
 
-def _answers(base: str) -> list:
-    """Chat (plain, streamed, with logprobs), completions and /generate, all greedy."""
+def _answers(base: str, quick: bool = False) -> list:
+    """Chat (plain, streamed, with logprobs), completions and /generate, all greedy (`quick`:
+    the plain chat and /generate only, QUICK of the full list)."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
     out = []
     for prompt in PROMPTS:
@@ -89,6 +97,9 @@ def _answers(base: str) -> list:
         message = reply.choices[0].message
         out.append((message.content, (message.model_extra or {}).get("reasoning_content")))
         assert reply.usage.prompt_tokens > 16  # > index_topk (8) and over one page
+        if quick:
+            out.append(_generate(base, prompt))
+            continue
         streamed = client.chat.completions.create(
             model="pd", messages=messages, max_tokens=12, temperature=0, stream=True
         )
@@ -117,11 +128,15 @@ def _answers(base: str) -> list:
                 for t in scored.choices[0].logprobs.content
             ]
         )
-        native = httpx.post(base + "/generate", timeout=120, json={
-            "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
-        }).json()  # fmt: skip
-        out.append(native["output_ids"])
+        out.append(_generate(base, prompt))
     return out
+
+
+def _generate(base: str, prompt: str) -> list[int]:
+    native = httpx.post(base + "/generate", timeout=120, json={
+        "text": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+    }).json()  # fmt: skip
+    return native["output_ids"]
 
 
 def _layers_per_room(checkpoint: Path) -> int:
@@ -156,7 +171,32 @@ def test_one_prefill_one_decode_matches_colocated(
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
 
 
+def test_a_tp2_prefill_into_a_dp_attention_decode_behind_the_router(
+    servers: dict, expected: list, checkpoint: Path
+) -> None:
+    """The `--tp 2` prefill into a `--tp 2 --dp 2 --enable-dp-attention` decode (each attention
+    group its own decode role, receiving its rooms' KV) over NIXL: the same answers, every
+    layer's checksum matching, both groups served rooms."""
+    prefill, decode = servers["prefill"], servers["dpa_decode"]
+    before = stats(decode.url)
+    flags = ["--pd-disaggregation", "--prefill", prefill.url, str(servers["bootstrap_port"]),
+             "--decode", decode.url]  # fmt: skip
+    with running_router(*flags) as router:
+        assert _answers(router.url, quick=True) == [expected[i] for i in QUICK]
+    after = stats(decode.url)
+    rooms = after["pd_rooms_ok"] - before["pd_rooms_ok"]
+    assert rooms == 2 * len(PROMPTS) and after["pd_checksum_mismatches"] == 0
+    layers = after["pd_checksum_layers_ok"] - before["pd_checksum_layers_ok"]
+    assert layers == rooms * _layers_per_room(checkpoint)
+    groups = after["dp_groups"]
+    assert len(groups) == 2 and all(g["pd_rooms_ok"] > 0 for g in groups)
+    for server in (prefill, decode):
+        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
 def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected: list) -> None:
+    """decode2 runs `--tp 2`: without its KV_SHARE round its second rank attends to pages it
+    never received, and the answers differ."""
     prefill, decodes = servers["prefill"], [servers["decode"], servers["decode2"]]
     before = [stats(d.url)["pd_rooms_ok"] for d in decodes]
     flags = ["--pd-disaggregation", "--prefill", prefill.url, "--decode", decodes[0].url,

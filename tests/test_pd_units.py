@@ -131,3 +131,24 @@ def test_router_fields_on_requests() -> None:
     assert requests[0].bootstrap is None
     with pytest.raises(ValueError):
         GenerateRequestIn.model_validate({"text": "x", "bootstrap_room": 2**63})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_kv_share_message_copies_exactly_the_slots(dtype):
+    """A `--tp N` decode's first rank copies the entries it received to its other ranks: every
+    layer of both pool tensors at those slots, bit for bit (FP8 pools are bytes), nothing else."""
+    from dsaserve.engine.round_payload import pool_entries, write_entries
+
+    def pool(seed: int, width: int) -> torch.Tensor:
+        t = torch.randn(3, 48, width, generator=torch.Generator().manual_seed(seed)) * 50
+        return t.to(dtype)
+
+    kv, index = pool(0, 5), pool(1, 7)
+    slots = torch.tensor([8, 9, 10, 11, 32, 33, 34, 35])
+    other_kv, other_index = torch.zeros_like(kv), torch.zeros_like(index)
+    write_entries(other_kv, other_index, pool_entries(kv, index, slots))
+    for mine, theirs in ((kv, other_kv), (index, other_index)):
+        assert torch.equal(theirs[:, slots], mine[:, slots])
+        rest = torch.ones(48, dtype=torch.bool)
+        rest[slots] = False
+        assert not theirs[:, rest].any()

@@ -12,8 +12,8 @@ what `--mem-fraction-static`, a GPU's share, would size). One command per distin
 started (the one with the most flags; see STARTED), sent three requests at once with the openai
 SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
 same start-up checks or be refused with one of the messages the README lists. PD-role commands
-(`--disaggregation-mode`) run at tp 1 only, and a prefill or decode answers requests only
-behind the router with its partner: tests/test_pd_router.py starts that trio.
+(`--disaggregation-mode`) run at tp N (a decode under DP attention too), and a prefill or decode
+answers requests only behind the router with its partner: tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ OPTIONS = {
 }
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
-    "--enable-hierarchical-cache with --tp": "hicache",
-    "--disaggregation-mode with --tp": "pd",
+    "--disaggregation-mode prefill with --enable-dp-attention": "pd",
+    "--speculative-algorithm DFLASH with --disaggregation-mode": "dflash-pd",
+    "--speculative-algorithm DFLASH with --enable-hierarchical-cache": "dflash-hicache",
 }
 REWRITTEN = ("--model-path", "--host", "--port", "--speculative-draft-model-path")
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
@@ -150,8 +151,9 @@ def test_every_hostable_planned_command_runs_or_is_refused(checkpoint, drafter, 
         elif len(flags) > len(runnable.get(key, [])):
             runnable[key] = flags
     assert refused == set(REFUSED.values())  # each still-refused kind is really printed
-    pd_roles = [key for key in runnable if key.endswith(("prefill", "decode"))]
-    assert pd_roles and all(key.startswith("tp1 ") for key in pd_roles)  # test_pd_router.py
+    for role in ("prefill", "decode"):  # --tp N (a decode under DP attention too)
+        assert {key.split()[0] for key in runnable if key.endswith(role)} == {"tp1", "tp4"}
+    assert any(" dpa1 " in key for key in runnable if key.endswith("decode"))
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
     for key in STARTED:

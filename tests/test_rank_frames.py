@@ -36,7 +36,7 @@ from dsaserve.engine.io import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.launch import start_engine, stop_engine
+from dsaserve.server.engine_processes import start_engines, stop_engines
 
 PROMPTS = [[(7 * i + 3) % 300 + 1 for i in range(40)], [5, 17, 99, 3, 250, 8, 1]]
 SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -150,8 +150,9 @@ async def _fuzz(args: ServerArgs) -> None:
     paths = ipc.IpcPaths.fresh()
     groups = args.dp_size if args.enable_dp_attention else 1
     client = DPEngineClient(paths, groups, page_size=16) if groups > 1 else EngineClient(paths)
-    process = start_engine(args, paths)
-    client.start(process)
+    engines = start_engines(args, paths)
+    client.start(engines)
+    (process,) = engines.processes
     processes: list[process_tree.Proc] = []
     try:
         await asyncio.wait_for(client.wait_ready(), 300)
@@ -172,7 +173,7 @@ async def _fuzz(args: ServerArgs) -> None:
         assert client.dead is None
         assert all(alive(p.pid) for p in processes)
     finally:
-        await stop_engine(client, process, started=bool(processes))
+        await stop_engines(client, engines, started=bool(processes))
         client.close()
         paths.cleanup(groups)
     deadline = time.monotonic() + 30

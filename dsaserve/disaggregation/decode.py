@@ -1,7 +1,10 @@
 """The decode role: for each request, find its prefill through the bootstrap server, preallocate
 the prompt's KV pages and an aux slot, send their indices for the room, and start decoding once the
 prefill reports Success (and, with NIXL, its write notification arrived): the first token and its
-logprob come from the aux record, the rest is ordinary decoding (EAGLE included).
+logprob come from the aux record, the rest is ordinary decoding (EAGLE included). With `--tp N`
+this is the group's first rank: the KV lands in its pool and `Engine.adopt` copies it to the
+group's other ranks (a KV_SHARE round) before the request decodes. Under DP attention each
+attention group's first rank runs its own decode role for the requests dispatched to it.
 
 A room fails, with its pages and aux slot freed at once, when the prefill reports Failed, the
 heartbeat loses the prefill, the checksums differ, or `--disaggregation-timeout` passes.
@@ -103,6 +106,8 @@ class DecodeEngine(RoleEngine):
             outputs += self._advance(room, state)
         if self.engine.has_work():
             outputs += self.engine.step()
+        else:  # rooms waiting on their KV
+            self.engine.idle()  # --tp N: the other ranks' heartbeat
         return outputs
 
     def _advance(self, room: int, state: Room) -> list[RequestOutput]:

@@ -2,9 +2,15 @@
 (and sample the first token), write every layer's KV, indexer keys, MTP entries and the aux
 record into the decode's memory, then report the room's status.
 
-Departures from SGLang, on purpose: the write runs in the engine loop right after the forward (one
-synchronous transfer per room, before the pages go back to the radix cache), not in a pool of
-sender threads; the per-room checksum (`--disaggregation-checksum`) is ours.
+With `--tp N` the prefill is one attention group: every rank holds the same KV bytes (the MLA
+entry and indexer keys are replicated), so the group's first rank, which runs this role, writes
+every page from its own pool and registers alone with the bootstrap server (`attn_tp_size` 1);
+the other ranks only compute. (A `--tp N` decode's first rank receives it all and copies it to
+its group: `Engine.adopt`.)
+
+Departures from SGLang, on purpose: the write runs in the engine loop right after the forward
+(one synchronous transfer per room, before the pages go back to the radix cache), not in a pool
+of sender threads; the per-room checksum (`--disaggregation-checksum`) is ours.
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ class PrefillEngine(RoleEngine):
         busy = self.engine.has_work()
         self.receive(0 if busy else 5, lambda frames: self._handle(parse_to_prefill(frames)))
         self._expire()
-        if not self.engine.has_work():
+        if not self.engine.has_work():  # rooms waiting on their decode
+            self.engine.idle()  # --tp N: the other ranks' heartbeat
             return []
         outputs = []
         for output in self.engine.step():

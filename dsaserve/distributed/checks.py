@@ -23,17 +23,21 @@ def check_parallel(args: Any, config: ModelConfig, device_type: str) -> None:
         import torch
 
         have = torch.cuda.device_count()
-        if have < sizes.ranks_per_node:
-            raise ArgsError(f"--tp {sizes.tp}: NCCL needs {sizes.ranks_per_node} CUDA devices on "
-                            f"this node, found {have}")  # fmt: skip
+        need = sizes.ranks_per_node * sizes.replicas
+        if have < need:
+            flag = f"--tp {sizes.tp}" + (f" --dp {sizes.dp}" if sizes.replicas > 1 else "")
+            raise ArgsError(f"{flag}: needs {need} CUDA devices on this node, found {have}")
 
 
 def _check_flags(args: Any, sizes: ParallelSizes) -> None:
-    if sizes.dp > 1 and not sizes.dp_attention:
-        raise ArgsError(f"--dp {sizes.dp}: data-parallel replicas are not supported; add "
-                        "--enable-dp-attention (or use --dp 1)")  # fmt: skip
-    if sizes.dp > sizes.tp or sizes.tp % sizes.dp:
+    if sizes.dp_attention and (sizes.dp > sizes.tp or sizes.tp % sizes.dp):
         raise ArgsError(f"--dp {sizes.dp} must divide --tp {sizes.tp}")
+    if sizes.replicas > 1 and args.nnodes > 1:
+        raise ArgsError(f"--dp {sizes.dp} replicas (without --enable-dp-attention) run on one "
+                        "node in this build; use --nnodes 1")  # fmt: skip
+    if sizes.replicas > 1 and args.disaggregation_mode != "null":
+        raise ArgsError(f"--disaggregation-mode with --dp {sizes.dp} replicas: a PD role runs "
+                        "one engine in this build; use --dp 1")  # fmt: skip
     if sizes.tp % sizes.ep:
         raise ArgsError(f"--ep {sizes.ep} must divide --tp {sizes.tp}")
     if sizes.tp % args.nnodes:
@@ -42,15 +46,13 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
         raise ArgsError(f"--node-rank {args.node_rank} must be in [0, --nnodes {args.nnodes})")
     if args.nnodes > 1 and not args.dist_init_addr:
         raise ArgsError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
-    if args.nnodes > 1 and sizes.dp_attention and sizes.dp > 1:
-        raise ArgsError("--enable-dp-attention across several nodes is not supported yet; use "
-                        "--nnodes 1 or drop --enable-dp-attention")  # fmt: skip
-    if sizes.tp > 1 and args.enable_hierarchical_cache:
-        raise ArgsError(f"--enable-hierarchical-cache with --tp {sizes.tp}: the host tier moves "
-                        "one rank's KV only in this build; use --tp 1")  # fmt: skip
-    if sizes.tp > 1 and args.disaggregation_mode != "null":
-        raise ArgsError(f"--disaggregation-mode with --tp {sizes.tp}: PD roles run one rank in "
-                        "this build; use --tp 1")  # fmt: skip
+    if args.enable_hierarchical_cache and sizes.cp > 1:
+        raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
+                        "does not move context-parallel pools yet; drop one")  # fmt: skip
+    if sizes.groups > 1 and args.disaggregation_mode == "prefill":
+        raise ArgsError(f"--disaggregation-mode prefill with --enable-dp-attention --dp "
+                        f"{sizes.dp}: one bootstrap server per prefill, not per attention group, "
+                        "in this build; use --tp N alone (a decode may)")  # fmt: skip
     if args.dist_init_addr and not _is_host_port(args.dist_init_addr):
         raise ArgsError(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
 

@@ -51,6 +51,11 @@ class ParallelSizes:
         return self.dp if self.dp_attention else 1
 
     @property
+    def replicas(self) -> int:
+        """`--dp N` without DP attention: N independent engines of `tp` ranks each."""
+        return 1 if self.dp_attention else self.dp
+
+    @property
     def moe_tp(self) -> int:
         return self.tp // self.ep
 

@@ -23,6 +23,7 @@ from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.dflash_setup import block_size, build_decoder, load_dflash
 from dsaserve.engine.grammar_gate import GrammarGate
+from dsaserve.engine.hicache_moves import page_slots
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
@@ -95,6 +96,8 @@ class Engine:
             self.model = DistributedModel(runner)
         page_size = self.pool.page_size
         self.cache = self._make_cache(page_size)
+        if self.parallel.world > 1 and self.args.enable_hierarchical_cache:
+            runner.tiers = self.cache.moves  # the group repeats its moves (hicache_moves.py)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", self.pool.num_tokens,
                     page_size, self.kv_bytes_per_token)  # fmt: skip
 
@@ -143,7 +146,7 @@ class Engine:
             return RadixCache(self.pool.pages, page_size, enabled=not self.args.disable_radix_cache)
         from dsaserve.engine.hicache_setup import build_hicache
 
-        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp)
+        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp, self.parallel)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -177,6 +180,8 @@ class Engine:
         """Start `req` decoding from KV computed elsewhere: `pages` hold its whole prompt and
         `first` is the token sampled after it (prefill/decode disaggregation)."""
         req.pages, req.kv_len, req.cached_tokens = list(pages), len(req.prompt_ids), 0
+        if self.parallel.attn_tp > 1:  # it arrived in this rank's pool: the group needs it too
+            self.model.share_slots(page_slots(pages, self.pool.page_size))
         self.scheduler.adopt(req)
         self.reqs[req.rid] = req
         self._append(req, first, logprob)

@@ -1,5 +1,8 @@
 """HiCache: the radix tree over three tiers (device pool, host pool, storage files).
 
+The tree decides; the bytes move in engine/hicache_moves.py (on this rank's tiers, and under
+`--tp N` repeated by every other rank of the group on its own).
+
 A node's `pages` are its device pages, `host_pages` its host copy. Device eviction demotes a node
 to host (it stays in the tree, host-only) when it has a host copy, and drops it otherwise; the
 write policy says when a node gets its host copy: `write_through` on its first hit (an insert is
@@ -23,7 +26,8 @@ import time
 
 import torch
 
-from dsaserve.engine.hicache_storage import PageTensors, Prefetch, StorageTier
+from dsaserve.engine.hicache_moves import HostKVPool, TierMoves
+from dsaserve.engine.hicache_storage import Prefetch, StorageTier
 from dsaserve.engine.kv_pool import KVPool, PagePool
 from dsaserve.engine.radix_cache import RadixCache, TreeNode
 
@@ -32,31 +36,14 @@ PREFETCH_DEFAULTS = {"prefetch_threshold": 256, "prefetch_timeout_base": 1.0,
                      "prefetch_timeout_per_ki_token": 0.25}  # fmt: skip
 
 
-class HostKVPool:
-    """The host tier: tensors shaped like the device pool's, over its own pages."""
-
-    def __init__(self, device_pool: KVPool, num_pages: int) -> None:
-        self.page_size = device_pool.page_size
-        self.pages = PagePool(num_pages)
-        slots = num_pages * self.page_size
-        pin = device_pool.kv_cache.is_cuda
-        kv, index = device_pool.kv_cache, device_pool.index_cache
-        self.kv_cache = torch.zeros(kv.shape[0], slots, kv.shape[2], dtype=kv.dtype, pin_memory=pin)
-        self.index_cache = torch.zeros(index.shape[0], slots, index.shape[2], dtype=index.dtype,
-                                       pin_memory=pin)  # fmt: skip
-
-
-def page_slots(pages: list[int], page_size: int) -> torch.Tensor:
-    return (
-        torch.tensor(pages, dtype=torch.long)[:, None] * page_size + torch.arange(page_size)
-    ).flatten()
-
-
 class HiRadixCache(RadixCache):
     def __init__(self, pool: KVPool, host: HostKVPool, write_policy: str,
                  storage: StorageTier | None = None, prefetch_policy: str = "best_effort",
-                 prefetch: dict | None = None) -> None:  # fmt: skip
+                 prefetch: dict | None = None, record: bool = False) -> None:  # fmt: skip
+        """`record`: this is a group leader whose other ranks repeat its moves
+        (engine/hicache_moves.py)."""
         self.kv_pool, self.host = pool, host
+        self.moves = TierMoves(pool, host, storage, record=record)
         self.threshold = WRITE_THRESHOLD[write_policy]
         self.write_policy = write_policy
         self.storage, self.prefetch_policy = storage, prefetch_policy
@@ -74,30 +61,14 @@ class HiRadixCache(RadixCache):
         if host is not None:
             host.pages = PagePool(host.pages.num_pages)
 
-    # ---- moving pages -------------------------------------------------------------------------
+    # ---- moving pages (this rank's bytes; the other ranks of its group repeat them) --------
     def _copy_d2h(self, device_pages: list[int], host_pages: list[int]) -> None:
-        ds, hs = self._slots(device_pages), page_slots(host_pages, self.page_size)
-        dev = self.kv_pool
-        self.host.kv_cache[:, hs] = dev.kv_cache[:, ds.to(dev.kv_cache.device)].cpu()
-        self.host.index_cache[:, hs] = dev.index_cache[:, ds.to(dev.kv_cache.device)].cpu()
+        self.moves.d2h(device_pages, host_pages)
         self.counters["hicache_d2h_bytes"] += self._bytes(len(device_pages))
-
-    def _copy_to_device(self, device_pages: list[int], kv: torch.Tensor, index: torch.Tensor):
-        ds = self._slots(device_pages).to(self.kv_pool.kv_cache.device)
-        self.kv_pool.kv_cache[:, ds] = kv.to(self.kv_pool.kv_cache.device, non_blocking=True)
-        self.kv_pool.index_cache[:, ds] = index.to(self.kv_pool.kv_cache.device, non_blocking=True)
-
-    def _slots(self, pages: list[int]) -> torch.Tensor:
-        return page_slots(pages, self.page_size)
 
     def _bytes(self, num_pages: int) -> int:
         per_slot = self.host.kv_cache[:, :1].nbytes + self.host.index_cache[:, :1].nbytes
         return per_slot * num_pages * self.page_size
-
-    def host_page(self, host_page: int) -> PageTensors:
-        """A copy of one host page's tensors (what storage receives; indexing copies)."""
-        hs = page_slots([host_page], self.page_size)
-        return PageTensors(self.host.kv_cache[:, hs], self.host.index_cache[:, hs])
 
     # ---- device -> host -----------------------------------------------------------------------
     def _on_visit(self, node: TreeNode) -> None:
@@ -124,9 +95,7 @@ class HiRadixCache(RadixCache):
     def _write_storage(self, node: TreeNode) -> None:
         tokens = self._path_tokens(node)
         keys = self.storage.codec.page_keys(tokens, self.page_size)[-len(node.host_pages) :]
-        for key, host_page in zip(keys, node.host_pages):
-            if not self.storage.exists(key):
-                self.storage.write_async(key, self.host_page(host_page))
+        self.moves.store(node.host_pages, keys)
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts = []
@@ -249,8 +218,7 @@ class HiRadixCache(RadixCache):
                 pages = self._alloc_device(len(node.host_pages))
                 if pages is None:
                     break
-                hs = page_slots(node.host_pages, self.page_size)
-                self._copy_to_device(pages, self.host.kv_cache[:, hs], self.host.index_cache[:, hs])
+                self.moves.h2d(node.host_pages, pages)
                 node.pages = pages  # locked: not evictable until unlocked
                 self.cached_pages += len(pages)
                 self.counters["hicache_h2d_bytes"] += self._bytes(len(pages))
@@ -340,15 +308,13 @@ class HiRadixCache(RadixCache):
                 self.unlock(nodes[-1])
         if device_pages is None:
             return False
-        kv = torch.cat([p.kv for p in fresh], dim=1)  # [layers, pages * page_size, dim]
-        index = torch.cat([p.index for p in fresh], dim=1)
-        self._copy_to_device(device_pages, kv, index)
+        self.moves.load(device_pages, fresh, handle.keys[skip : skip + len(fresh)])
         end = matched + len(fresh) * self.page_size
         path_pages = [p for n in nodes for p in n.pages]
         rejected = self.insert(tokens[:end], path_pages + device_pages)
         self.pool.free(rejected)
         self.counters["hicache_storage_hit_tokens"] += len(fresh) * self.page_size
-        self.counters["hicache_storage_load_bytes"] += kv.nbytes + index.nbytes
+        self.counters["hicache_storage_load_bytes"] += self._bytes(len(fresh))
         self.counters["hicache_storage_load_seconds"] += time.perf_counter() - t0
         return True
 

@@ -44,19 +44,29 @@ def storage_key(secret: str | None, root: Path) -> bytes:
     if secret:
         return derive(secret, "hicache/pages")
     path = root / KEY_FILE
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_bytes()
-        if len(key) != 32:
-            raise OSError(f"{path} is not a HiCache key (remove it to make a new one)") from None
-        if path.stat().st_mode & 0o077:
-            os.chmod(path, 0o600)
-        return key
-    key = secrets.token_bytes(32)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key)
+    if not path.exists():
+        _publish_key(path)
+    key = path.read_bytes()
+    if len(key) != 32:
+        raise OSError(f"{path} is not a HiCache key (remove it to make a new one)")
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
     return key
+
+
+def _publish_key(path: Path) -> None:
+    """A new key file, whole or not at all: written aside and linked into place, so ranks that
+    start together (--tp N, each its own tier) read one key, never a half-written file."""
+    aside = path.with_name(f".{KEY_FILE}.{os.getpid()}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(32))
+    try:
+        os.link(aside, path)
+    except FileExistsError:  # another rank's came first
+        pass
+    finally:
+        os.unlink(aside)
 
 
 class PageCodec:

@@ -275,10 +275,15 @@ class StorageTier:
         """Block until every queued write is done (tests, benchmarks, shutdown)."""
         self._writes.join()
 
-    def _drain_at_exit(self) -> None:
-        deadline = time.monotonic() + EXIT_DRAIN_S
+    def _drain_at_exit(self, timeout: float = EXIT_DRAIN_S) -> None:
+        deadline = time.monotonic() + timeout
         while self._writes.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def finish(self) -> None:
+        """Before a process ends without atexit (a rank's os._exit): let the queued writes
+        land, up to EXIT_DRAIN_S."""
+        self._drain_at_exit()
 
     def read(self, key: str) -> PageTensors | None:
         try:

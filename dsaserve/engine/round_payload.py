@@ -2,10 +2,13 @@
 
 An op is FORWARD (a ForwardBatch), FORWARD_LOGITS (a ForwardBatch; the forward and then the
 logits of its `logits_rows`, in one round), MTP (a ForwardBatch, the hidden states fed to the MTP
-layer and an optional reused indexer Selection), LOGITS (hidden rows) or EMBED (token ids: a DFlash
-drafter's block embeddings). Its tensors travel as two
-flat buffers: int64 (a shape header, then every integer/bool tensor) and float (every float
-tensor, in the model dtype). The KV pool tensors are never sent: every rank has its own.
+layer and an optional reused indexer Selection), LOGITS (hidden rows), EMBED (token ids: a DFlash
+drafter's block embeddings), HICACHE (the journal of the leader's HiCache moves, which its group
+repeats on its own tiers) or KV_SHARE (pool entries the leader received from a PD prefill, which
+its group writes into its own pools). Its tensors travel as two flat buffers: int64 (a shape
+header, then every integer/bool tensor) and float (every float tensor, in the model dtype). The
+KV pool tensors are never sent (every rank has its own), except the entries a KV_SHARE copies,
+as raw bytes in an int64 tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ class Op(IntEnum):
     STOP = 4
     FORWARD_LOGITS = 5
     EMBED = 6
+    HICACHE = 7  # the leader's HiCache moves, repeated by its group (engine/hicache_moves.py)
+    KV_SHARE = 8  # KV the leader received (a PD decode), copied into its group's pools
 
 
 @dataclass
@@ -38,6 +43,7 @@ class OpInputs:
     # FORWARD: target layers whose outputs the leader's forward also returns (DFlash); the
     # other ranks run the same layers and need nothing of it, so it is not sent
     taps: tuple[int, ...] = ()
+    moves: torch.Tensor | None = None  # HICACHE: the journal; KV_SHARE: slots + bytes (int64)
 
     @property
     def logits_rows(self) -> int:
@@ -67,6 +73,8 @@ def _tensors(inputs: OpInputs) -> list[torch.Tensor | None]:
         out += [e.ctx_slots for e in b.extends]
     if inputs.op in (Op.MTP, Op.LOGITS, Op.EMBED):
         out.append(inputs.hidden)
+    if inputs.op in (Op.HICACHE, Op.KV_SHARE):
+        out.append(inputs.moves)
     if inputs.op == Op.MTP:
         reuse = inputs.reuse
         out.append(torch.tensor([-1 if reuse is None else len(reuse.extends)]))
@@ -133,6 +141,8 @@ def _rebuild(op: Op, tensors, kv_cache, index_cache) -> OpInputs:
                                     valid, logits_rows, kv_cache, index_cache)  # fmt: skip
     if op in (Op.MTP, Op.LOGITS, Op.EMBED):
         inputs.hidden = next(tensors)
+    if op in (Op.HICACHE, Op.KV_SHARE):
+        inputs.moves = next(tensors)
     if op == Op.MTP:
         count = int(next(tensors)[0])
         if count >= 0:
@@ -149,6 +159,31 @@ def empty(op: Op, hidden_size: int, dtype: torch.dtype, kv_cache, index_cache, d
         return OpInputs(op, hidden=hidden)
     if op == Op.EMBED:
         return OpInputs(op, hidden=long)
+    if op in (Op.HICACHE, Op.KV_SHARE):
+        return OpInputs(op)
     batch = ForwardBatch(long, long, long, [], long, long.view(0, 0),
                          long.view(0, 0).bool(), long, kv_cache, index_cache)  # fmt: skip
     return OpInputs(op, batch=batch, hidden=hidden if op == Op.MTP else None)
+
+
+def pool_entries(kv_cache: torch.Tensor, index_cache: torch.Tensor,
+                 slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """KV_SHARE's message: `slots` and their entries in every layer of both pool tensors, as raw
+    bytes, in one int64 tensor on the host."""
+    dev = kv_cache.device
+    parts = [t[:, slots.to(dev)].cpu().contiguous().view(torch.uint8).flatten()
+             for t in (kv_cache, index_cache)]  # fmt: skip
+    raw = torch.cat([*parts, torch.zeros((-sum(p.numel() for p in parts)) % 8, dtype=torch.uint8)])
+    return torch.cat([torch.tensor([slots.numel()]), slots.long().cpu(), raw.view(torch.int64)])
+
+
+def write_entries(kv_cache: torch.Tensor, index_cache: torch.Tensor, message: torch.Tensor) -> None:
+    """Write a `pool_entries` message into this rank's own pool tensors."""
+    n = int(message[0])
+    slots, raw = message[1 : 1 + n], message[1 + n :].clone().view(torch.uint8)
+    start = 0
+    for t in (kv_cache, index_cache):
+        size = t.shape[0] * n * t.shape[2] * t.element_size()
+        part = raw[start : start + size].clone().view(t.dtype).view(t.shape[0], n, t.shape[2])
+        t[:, slots.to(t.device)] = part.to(t.device)
+        start += size

@@ -20,7 +20,16 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.round_payload import Op, OpInputs, empty, pack, unpack
+from dsaserve.engine.hicache_moves import TierMoves
+from dsaserve.engine.round_payload import (
+    Op,
+    OpInputs,
+    empty,
+    pack,
+    pool_entries,
+    unpack,
+    write_entries,
+)
 from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
@@ -43,6 +52,7 @@ class RankRunner:
         # the hidden states' dtype (the payload's float buffer): the compute dtype, which a
         # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.tiers: TierMoves | None = None  # this rank's HiCache tiers (HICACHE ops)
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -136,6 +146,14 @@ class RankRunner:
             return model.logits(inputs.hidden)
         if inputs.op == Op.EMBED:
             return model.embed(inputs.hidden)
+        if inputs.op == Op.HICACHE:  # the leader moved its own bytes already
+            if inputs.moves is not None and not self.parallel.is_leader:
+                self.tiers.replay(inputs.moves)
+            return None
+        if inputs.op == Op.KV_SHARE:  # the leader's pool has them already
+            if inputs.moves is not None and not self.parallel.is_leader:
+                write_entries(self.kv_cache, self.index_cache, inputs.moves)
+            return None
         with _installed(inputs.batch):
             if inputs.op == Op.FORWARD:
                 return model(inputs.taps)
@@ -177,6 +195,8 @@ class DistributedModel:
         return self.model.mtp
 
     def _run(self, inputs: OpInputs) -> Any:
+        if inputs.op != Op.HICACHE:
+            self.sync_tiers()
         while True:
             ran, result = self.runner.round(inputs)
             if ran:
@@ -188,6 +208,21 @@ class DistributedModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The target's embedding of `input_ids` (vocab-parallel: a round of its own)."""
         return self._run(OpInputs(Op.EMBED, hidden=input_ids))
+
+    def sync_tiers(self) -> bool:
+        """Send the HiCache moves made since the last op to the group, which repeats them
+        before any forward reads or writes those pages; False if there were none."""
+        tiers = self.runner.tiers
+        moves = tiers.take_journal() if tiers is not None else None
+        if moves is not None:
+            self._run(OpInputs(Op.HICACHE, moves=moves))
+        return moves is not None
+
+    def share_slots(self, slots: torch.Tensor) -> None:
+        """Copy these pool slots' entries (every layer) from this leader's pool into its group's
+        (KV that arrived here only: a PD decode's)."""
+        message = pool_entries(self.runner.kv_cache, self.runner.index_cache, slots)
+        self._run(OpInputs(Op.KV_SHARE, moves=message))
 
     def forward_logits(self) -> torch.Tensor:
         """The installed batch's forward and the logits of its `logits_rows`, in one round
@@ -203,9 +238,12 @@ class DistributedModel:
         return self._run(OpInputs(Op.LOGITS, hidden=hidden))
 
     def idle(self) -> bool:
-        """One heartbeat round (joining any other group's op); True if another group is busy."""
-        self.runner.round(None)
+        """One heartbeat round (joining any other group's op; or the HiCache moves still to
+        send); True if another group is busy."""
+        if not self.sync_tiers():
+            self.runner.round(None)
         return self.runner.others_busy
 
     def stop(self) -> None:
+        self.sync_tiers()
         self.runner.stop()

@@ -27,6 +27,7 @@ import zmq
 
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.frame_log import FrameLog
+from dsaserve.cluster.secret import cluster_secret
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.rounds import Stopped
@@ -64,11 +65,12 @@ Reject = Callable[[list[str], str, int], None]  # refuse requests: rids, message
 EngineFactory = Callable[[ServerArgs, ParallelState, Reject], DrivenEngine]
 
 
-def run_engine_process(
-    args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int, factory: EngineFactory
-) -> None:
+def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
+                       factory: EngineFactory, replica: int = 0) -> None:  # fmt: skip
     """Entry point of the spawned engine process: start this node's other ranks (--tp > 1),
-    build what `factory` makes on them, and serve it until told to stop."""
+    build what `factory` makes on them, and serve it until told to stop. With `--dp N` (no DP
+    attention) the API process spawns N of them; this is `replica`, on its own devices."""
+    enter_replica(args, replica)
     # Serving, the API process decides when we stop (after draining), also when a whole process
     # group is signalled; if the API process dies instead, the loop notices the new parent and
     # exits. Starting, there is nothing to drain: SIGTERM ends the start (a native build's
@@ -77,11 +79,13 @@ def run_engine_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_starting)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    heartbeat.start_beating(paths.heartbeat, 0)  # rank 0; /health reads it (runtime/heartbeat.py)
+    paths = msgspec.structs.replace(paths, first_slot=replica * ParallelSizes.from_args(args).tp)
+    heartbeat.start_beating(paths.heartbeat, paths.first_slot)  # rank 0; /health reads it
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
-    inbox.connect(paths.to_engine)
-    outbox = context.socket(zmq.PUSH)
+    auth = ipc.auth_sockets(context, paths, cluster_secret(args))  # TCP: DP attention over nodes
+    inbox = ipc.dial_socket(auth, context.socket(zmq.PULL))
+    inbox.connect(paths.for_group(replica).to_engine)
+    outbox = ipc.dial_socket(auth, context.socket(zmq.PUSH))
     outbox.connect(paths.from_engine)
     ranks = None
     try:
@@ -105,7 +109,21 @@ def run_engine_process(
             ranks.kill()
         raise
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve_engine(engine, args, inbox, outbox, parent_pid, ranks=ranks)
+    serve_engine(engine, args, inbox, outbox, parent_pid, group=replica, ranks=ranks)
+
+
+def enter_replica(args: ServerArgs, replica: int) -> None:
+    """`--dp N` replicas: replica r's ranks take CUDA devices r*tp .. r*tp+tp-1 (of those
+    visible), and on CPU the cores are shared out (unless OMP_NUM_THREADS or --threads says)."""
+    sizes = ParallelSizes.from_args(args)
+    if sizes.replicas == 1:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(sizes.replicas * sizes.tp)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[replica * sizes.tp :][: sizes.tp])
+    if "OMP_NUM_THREADS" not in os.environ and args.threads is None:
+        share = (os.cpu_count() or 1) // (sizes.replicas * sizes.tp)
+        os.environ["OMP_NUM_THREADS"] = str(max(1, share))
 
 
 def _stop_starting(signum: int, frame: Any) -> None:
@@ -131,7 +149,7 @@ def serve_engine(engine: DrivenEngine, args: ServerArgs, inbox: Any, outbox: Any
                  group: int = 0, ranks: LocalRanks | None = None) -> None:  # fmt: skip
     """Serve `engine` until told to stop, then tear down: the engine's ranks leave their rounds
     (after a failure they are ended instead), the ones this process started are stopped."""
-    outbox.send(ipc.encode(ipc.Ready(engine_info(engine))))
+    outbox.send(ipc.encode(ipc.Ready(engine_info(engine), group)))
     code = EngineLoop(engine, args, inbox, outbox, parent_pid, group, ranks).run()
     try:
         engine.close(graceful=code == 0)
@@ -150,9 +168,10 @@ def run_group_leader(
     """DP attention: the first rank of group g > 0 is an engine with its own request socket."""
     parent = os.getppid()
     context = zmq.Context()
-    inbox = context.socket(zmq.PULL)
+    auth = ipc.auth_sockets(context, paths, cluster_secret(args))  # TCP: another node's
+    inbox = ipc.dial_socket(auth, context.socket(zmq.PULL))
     inbox.connect(paths.for_group(parallel.dp_rank).to_engine)
-    outbox = context.socket(zmq.PUSH)
+    outbox = ipc.dial_socket(auth, context.socket(zmq.PUSH))
     outbox.connect(paths.from_engine)
     engine = factory(args, parallel, _rejecter(outbox))
     serve_engine(engine, args, inbox, outbox, parent, group=parallel.dp_rank)
@@ -183,7 +202,7 @@ class EngineLoop:
         self.stopping = False
         self.pending: list[ipc.FromEngine] = []  # sent after the stats of the same iteration
         self.published: dict | None = None
-        self.group = group  # the attention group whose stats these are
+        self.group = group  # the attention group (or --dp replica) whose stats these are
         self.ranks = ranks  # the ranks this process started (ended by the watchdog)
         self.dp = args.dp_size if args.enable_dp_attention else 1
         self.others_busy = False

@@ -38,9 +38,13 @@ def preflight(args: ServerArgs, offline: bool = False) -> list[str]:
     config = checkpoint_config(args) if needs_checkpoint(args) else None
     check_layout(args, config, device_type)
     check_speculative_model(args, config)
-    if offline and ParallelSizes.from_args(args).groups > 1:
+    sizes = ParallelSizes.from_args(args)
+    if offline and sizes.groups > 1:
         raise ArgsError("--enable-dp-attention with --dp > 1 needs the server (each group has "
                         "its own request socket); use dsaserve serve")  # fmt: skip
+    if offline and sizes.replicas > 1:
+        raise ArgsError(f"--dp {sizes.dp} replicas need the server (one engine process each, "
+                        "behind its dispatch); use dsaserve serve")  # fmt: skip
     note = moe_backend_note(args, device_type)
     return [note] if note else []
 

@@ -33,7 +33,7 @@ def rank_main(job: RankJob) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent(job.parent_pid)
     if job.paths is not None:  # a rank of the server's node 0: /health watches it
-        heartbeat.start_beating(job.paths.heartbeat, job.rank)
+        heartbeat.start_beating(job.paths.heartbeat, job.paths.first_slot + job.rank)
     code = 1
     try:
         code = run_rank(job)

@@ -126,11 +126,23 @@ def start_ranks(
                            factory=factory)  # fmt: skip
     try:
         parallel = init_rank(args, 0, where, device_type)
+        share_paths(parallel, paths)
     except BaseException:
         kill_all(children)
         raise
     watch_children(children, on_death=lambda child: _die(children, child))
     return LocalRanks(parallel, children)
+
+
+def share_paths(parallel: ParallelState, paths: IpcPaths | None) -> IpcPaths | None:
+    """DP attention over several nodes: rank 0 tells every rank the API process's socket
+    addresses (TCP on node 0; the group leaders on other nodes have none in their RankJob).
+    Every rank calls it once, right after joining."""
+    if parallel.sizes.nnodes == 1 or parallel.sizes.groups == 1:
+        return paths
+    box = [paths]
+    dist.broadcast_object_list(box, src=0, group=parallel.cpu_group)
+    return box[0]
 
 
 def watch_children(children: list, on_death: Callable[[Any], None]) -> None:

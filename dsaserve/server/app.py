@@ -340,6 +340,7 @@ async def _server_info(state: ServerState) -> dict:
         "served_model_name": tm.model_name if tm else state.args.served_model_name,
         "version": __version__,
         "engine_pid": state.engine_info.get("pid"),
+        "dp_group_pids": state.engine_info.get("group_pids"),
         "context_length": tm.context_length if tm else None,
         "resolved_reasoning_parser": tm.reasoning_parser if tm else None,
         "resolved_tool_call_parser": tm.tool_parser if tm else None,

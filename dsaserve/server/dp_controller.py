@@ -1,7 +1,10 @@
-"""DP attention's controller: the API process's client for N engine groups.
+"""The data-parallel controller: the API process's client for N engine groups.
 
-Each group (scheduler, KV pool, radix cache) has its own request socket; outputs of all groups
-come back on one. A request goes to the group that already cached the longest page-aligned
+The groups are DP attention's attention groups (`--dp N --enable-dp-attention`: one engine
+process, the groups' leaders among its ranks) or SGLang's data-parallel replicas (`--dp N`
+alone: N engine processes of `--tp` ranks each, server/engine_processes.py); the dispatch is the
+same. Each group (scheduler, KV pool, radix cache) has its own request socket; outputs of all
+groups come back on one. A request goes to the group that already cached the longest page-aligned
 prefix of it, where one did; otherwise by `--load-balance-method`: `round_robin`, or
 `shortest_queue` (fewest requests in flight from this controller). Control calls fan out to
 every group and their stats come back summed, with each group's own under "dp_groups".
@@ -52,13 +55,13 @@ class PrefixMap:
 
 class DPEngineClient(EngineClient):
     def __init__(self, paths: ipc.IpcPaths, groups: int, method: str = "round_robin",
-                 page_size: int | None = None) -> None:  # fmt: skip
-        super().__init__(paths)
+                 page_size: int | None = None, secret: str | None = None) -> None:  # fmt: skip
+        super().__init__(paths, secret)
         self.groups = groups
         self.method = method
         self.sockets = [self.to_engine]
         for group in range(1, groups):
-            sock = self.send_context.socket(zmq.PUSH)
+            sock = ipc.serve_socket(self.send_auth, self.send_context.socket(zmq.PUSH))
             sock.bind(paths.for_group(group).to_engine)
             self.sockets.append(sock)
         self.group_of: dict[str, int] = {}
@@ -165,12 +168,13 @@ class DPEngineClient(EngineClient):
             self.stats = self._combine("stats", self.group_stats)
             return
         if isinstance(message, ipc.Ready):
-            self.ready_infos.append(message.info)
+            self.ready_infos.append({**message.info, "group": message.group})
             if len(self.ready_infos) == self.groups and not self.ready.done():
-                infos = self.ready_infos
+                infos = sorted(self.ready_infos, key=lambda info: info["group"])
                 self.group_stats = [dict(i["stats"]) for i in infos]
                 self.stats = self._combine("stats", self.group_stats)
-                self.ready.set_result({**infos[0], "stats": self.stats})
+                pids = [info["pid"] for info in infos]
+                self.ready.set_result({**infos[0], "stats": self.stats, "group_pids": pids})
             return
         if isinstance(message, ipc.Outputs):
             for output in message.outputs:

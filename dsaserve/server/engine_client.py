@@ -37,14 +37,17 @@ class EngineDead(APIError):
 class EngineClient:
     """Talks to one engine process over ZMQ; all methods run on the API event loop."""
 
-    def __init__(self, paths: ipc.IpcPaths) -> None:
+    def __init__(self, paths: ipc.IpcPaths, secret: str | None = None) -> None:
         # Sending is synchronous and never blocks (NOBLOCK), so it is safe in `finally` blocks of
-        # cancelled tasks; receiving is async.
+        # cancelled tasks; receiving is async. TCP sockets (DP attention across nodes) are CURVE
+        # servers keyed by the cluster secret (`secret`); each context has its ZAP handler.
         self.send_context = zmq.Context()
-        self.to_engine = self.send_context.socket(zmq.PUSH)
+        self.send_auth = ipc.auth_sockets(self.send_context, paths, secret)
+        self.to_engine = ipc.serve_socket(self.send_auth, self.send_context.socket(zmq.PUSH))
         self.to_engine.bind(paths.to_engine)
         self.context = zmq.asyncio.Context()
-        self.from_engine = self.context.socket(zmq.PULL)
+        self.auth = ipc.auth_sockets(zmq.Context.shadow(self.context.underlying), paths, secret)
+        self.from_engine = ipc.serve_socket(self.auth, self.context.socket(zmq.PULL))
         self.from_engine.bind(paths.from_engine)
         self.queues: dict[str, asyncio.Queue] = {}
         self.replies: dict[int, asyncio.Future] = {}
@@ -153,6 +156,9 @@ class EngineClient:
     def close(self) -> None:
         self.to_engine.close(linger=1000)
         self.from_engine.close(linger=0)
+        for auth in (self.auth, self.send_auth):
+            if auth is not None:
+                auth.close()
         self.context.term()
         self.send_context.term()
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
 import sys
 import time
@@ -18,8 +17,8 @@ from typing import Any
 
 import uvicorn
 
-from dsaserve import process_tree
 from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.cluster.secret import cluster_secret
 from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.runtime import ipc
 from dsaserve.runtime.heartbeat import Heartbeats
@@ -29,6 +28,7 @@ from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
+from dsaserve.server.engine_processes import default_factory, start_engines, stop_engines
 from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
@@ -41,7 +41,6 @@ from dsaserve.server.templates import model_type_of
 from dsaserve.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("dsaserve.server")
-ENGINE_STOP_TIMEOUT_S = 10.0
 
 
 def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
         for note in preflight(args):  # every flag, once, before any process starts
             print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
         if args.node_rank > 0:
-            return serve_node(args)
+            return serve_node(args, engine_factory or default_factory())
         tokenizer = load_tokenizer(args)
     except (ArgsError, ParserConfigError) as e:
         print(f"dsaserve serve: error: {e}", file=sys.stderr)
@@ -112,15 +111,21 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) -> int:
-    paths = ipc.IpcPaths.fresh()
-    groups = args.dp_size if args.enable_dp_attention else 1
+    groups = args.dp_size  # attention groups (DP attention) or engine replicas (--dp alone)
+    if args.nnodes > 1 and groups > 1:  # DP attention over nodes: groups' leaders elsewhere
+        paths = ipc.IpcPaths.tcp(args.dist_init_addr.rpartition(":")[0].strip("[]"), groups)
+    else:
+        paths = ipc.IpcPaths.fresh()
     if groups > 1:
-        engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size)
+        engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size,
+                                cluster_secret(args))  # fmt: skip
     else:
         engine = EngineClient(paths)
-    process = start_engine(args, paths, engine_factory)
-    engine.start(process)
-    ranks = ParallelSizes.from_args(args).tp  # every node's (runtime/heartbeat.py)
+    engines = start_engines(args, paths, engine_factory)
+    engine.start(engines)
+    watch = asyncio.create_task(engines.end_with_first())
+    sizes = ParallelSizes.from_args(args)
+    ranks = sizes.tp * sizes.replicas  # every node's, every replica's (runtime/heartbeat.py)
     state = ServerState(args=args, engine=engine, body_decoder=BodyDecoder(),
                         heartbeats=Heartbeats(paths.heartbeat, ranks))  # fmt: skip
     state.body_decoder.start()
@@ -139,7 +144,8 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
     finally:
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
-        await stop_engine(engine, process, started=bool(state.engine_info))
+        watch.cancel()
+        await stop_engines(engine, engines, started=bool(state.engine_info))
         state.body_decoder.close()
         paths.cleanup(groups)
     return code
@@ -174,42 +180,3 @@ async def _become_ready(
     print(f"dsaserve ready: http://{host}:{port} (model {state.tokenizer_manager.model_name})",
           flush=True)  # fmt: skip
     return 0
-
-
-def start_engine(
-    args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None
-) -> multiprocessing.process.BaseProcess:
-    """Spawn the engine process. Its code is imported here, for the spawn: the API process never
-    runs a model."""
-    from dsaserve.disaggregation.roles import serving_engine
-    from dsaserve.runtime.engine_process import run_engine_process
-
-    context = multiprocessing.get_context("spawn")
-    process = context.Process(
-        target=run_engine_process, args=(args, paths, os.getpid(), factory or serving_engine),
-        name="dsaserve-engine",
-    )  # fmt: skip
-    process.start()
-    return process
-
-
-async def stop_engine(
-    engine: EngineClient, process: multiprocessing.process.BaseProcess, started: bool = True
-) -> None:
-    """Ask the engine to stop; terminate, then kill, if it does not. An engine still starting
-    has nothing to drain: it is terminated at once (it stops its build, if any), and whatever it
-    leaves running (ranks, a compiler) is killed with it."""
-    await engine.shutdown()
-    deadline = time.monotonic() + (ENGINE_STOP_TIMEOUT_S if started else 0.0)
-    while process.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    tree = process_tree.descendants(process.pid) if process.pid else []
-    if process.is_alive():
-        process.terminate()
-        await asyncio.to_thread(process.join, 3)
-    if process.is_alive():
-        tree = process_tree.descendants(process.pid)
-        process.kill()
-        process.join(3)
-    process_tree.kill_all(tree)
-    engine.close()
