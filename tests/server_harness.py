@@ -154,15 +154,25 @@ def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, from /proc (Linux)."""
-    members = []
+def _live(field: int, value: int) -> list[int]:
+    """Live (not zombie) processes whose /proc stat `field` (after the name) is `value`."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                members.append(int(stat.parent.name))
-    return members
+            if fields[0] != "Z" and int(fields[field]) == value:
+                found.append(int(stat.parent.name))
+    return found
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group, from /proc (Linux)."""
+    return _live(2, pgid)
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of `pid`, from /proc (Linux)."""
+    return _live(1, pid)
 
 
 def group_alive(pgid: int) -> bool:

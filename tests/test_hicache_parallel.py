@@ -13,7 +13,6 @@ the API process alone).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -26,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_harness import group_members, running_server
+from server_harness import children, group_members, running_server
 from speculative_models import make_mtp_checkpoint
 
 PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(6)]
@@ -152,16 +151,6 @@ def kill_a_rank_mid_load_back(server) -> None:
         time.sleep(0.2)
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
     assert not left
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):

@@ -9,7 +9,6 @@ Faults: kill -9 of a rank mid-stream, of node 1; SIGSTOP of node 1's rank (/heal
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -17,12 +16,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_harness import group_members, running_server, stop_group
+from server_harness import children, group_members, running_server, stop_group
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
 
@@ -155,17 +153,6 @@ def cmdline(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def children(pid: int) -> list[int]:
-    """Live child processes of `pid`, from /proc (Linux)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
 
 
 def test_glm_eagle_tp_and_dp_attention_layouts(glm, glm_expected):
