@@ -11,15 +11,12 @@ where it cannot be built the engine says so once and keeps the torch path.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from dsaserve.kernels import native_build
 from dsaserve.models.dflash import DFlashDraftModel
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parents[1] / "kernels" / "dflash_block.cpp"
 NONE = torch.empty(0)
@@ -28,12 +25,12 @@ NONE = torch.empty(0)
 @functools.cache
 def extension():
     """The compiled module, or None (with one warning naming why) where it cannot be built."""
-    try:
-        return native_build.load("dsaserve_dflash_block", SOURCE, ["-O3", "-march=native"],
-                                 what="the native DFlash drafter")  # fmt: skip
-    except native_build.BuildFailed as exc:
-        logger.warning("native DFlash drafter unavailable (%s); using the torch path", exc)
-        return None
+    return native_build.load_or_none(
+        "dsaserve_dflash_block",
+        SOURCE,
+        "the native DFlash drafter",
+        "native DFlash drafter unavailable; using the torch path",
+    )
 
 
 def _weight(*linears) -> torch.Tensor:

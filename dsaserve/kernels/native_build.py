@@ -71,6 +71,16 @@ def build_directory(name: str) -> Path:
     return Path(root) / name
 
 
+def load_or_none(name: str, source: Path, what: str, unavailable: str) -> ModuleType | None:
+    """`load` for the machine it runs on (-O3 -march=native), or None after one warning
+    "`unavailable` (why)" naming the fallback, where it cannot be built."""
+    try:
+        return load(name, source, ["-O3", "-march=native"], what)
+    except BuildFailed as exc:
+        logger.warning("%s (%s)", unavailable, exc)
+        return None
+
+
 def load(name: str, source: Path, cflags: list[str], what: str,
          timeout_s: float = TIMEOUT_S) -> ModuleType:  # fmt: skip
     """Build (when needed) and import extension `name` from `source`; `what` names it in the

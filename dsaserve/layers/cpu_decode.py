@@ -12,7 +12,6 @@ once and keeps the Python fused path.
 from __future__ import annotations
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -22,8 +21,6 @@ from dsaserve.kernels import native_build
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MoE
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).parents[1] / "kernels" / "cpu_decode.cpp"
 NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's router)
 
@@ -31,12 +28,12 @@ NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's r
 @functools.cache
 def extension():
     """The compiled module, or None (with one warning naming why) where it cannot be built."""
-    try:
-        return native_build.load("dsaserve_cpu_decode", SOURCE, ["-O3", "-march=native"],
-                                 what="the native decode layers")  # fmt: skip
-    except native_build.BuildFailed as exc:
-        logger.warning("native CPU decode unavailable (%s); using the Python fused path", exc)
-        return None
+    return native_build.load_or_none(
+        "dsaserve_cpu_decode",
+        SOURCE,
+        "the native decode layers",
+        "native CPU decode unavailable; using the Python fused path",
+    )
 
 
 def _or_none(t: torch.Tensor | None) -> torch.Tensor:
