@@ -1,10 +1,12 @@
 """A random seed for each hypothesis run, printed when it fails.
 
 `run_seeded(test)` runs a `@given` test under one seed: DSASERVE_FUZZ_SEED when set (to replay a
-failure); under CI=true a fixed one (CI_SEED), so a red CI means the change broke something, not
-that this run drew a case nobody has fixed yet; elsewhere (every developer's run, and
-`--nightly`) a fresh random one, so new inputs keep being explored. A failure carries a note
-with the seed and the line that replays it.
+failure); under CI=true a fixed one (CI_SEED), so CI draws the same inputs on every run rather
+than a case nobody has fixed yet; elsewhere (every developer's run, and `--nightly`) a fresh
+random one, so new inputs keep being explored. A failure carries a note with the seed and the
+line that replays it. The seed fixes the inputs, not what a random model answers to them on
+another CPU (its float sums depend on the vector width), so no check may count on a particular
+answer.
 """
 
 from __future__ import annotations

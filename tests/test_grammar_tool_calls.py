@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import pytest
 from transformers import AutoTokenizer
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from dsaserve.assets import default_model_path
 from dsaserve.grammar.backend import make_backend
@@ -141,3 +142,43 @@ def test_llguidance_accepts_what_xgrammar_accepts(parser, cases):
                     if all(matcher.accept(i) for i in ids) != want:
                         wrong.append((name, choice, parallel, case.text, want))
     assert not wrong, "\n".join(map(repr, wrong))
+
+
+
+NOTES = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+    "type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}}}}}}  # fmt: skip
+OPENINGS = {  # the answer up to inside the first string of the `tags` array
+    "glm47": '<tool_call>note<arg_key>tags</arg_key><arg_value>["a',
+    "deepseekv32": '\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name="note">\n'
+                   '<｜DSML｜parameter name="tags" string="false">["a',
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", ["glm47", "deepseekv32"])
+def test_json_argument_strings_hold_json_characters(parser):
+    """A string inside a JSON argument value holds JSON's characters only: not a raw control
+    character (`json.loads` refuses it) nor the UTF-8 bytes of a surrogate (ED A0 80 decodes to
+    three U+FFFD, which outgrows `maxLength`); xgrammar's own JSON strings let both through."""
+    if parser == "glm47":
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    else:
+        tokenizer = build_deepseek_tokenizer()
+        stop = tokenizer.eos_token_id
+    # each byte's own token, through the byte-level alphabet (GPT-2's byte -> character map)
+    byte = {b: tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    opening = tokenizer(OPENINGS[parser], add_special_tokens=False)["input_ids"]
+    source = tool_call_grammar(parser, [NOTES], "required", False)
+    nexts = [("a letter", b"b", True), ("a raw control character", b"\x07", False),
+             ("a surrogate's bytes", b"\xed\xa0\x80", False)]  # fmt: skip
+    wrong = []
+    for name in ("xgrammar", "llguidance"):
+        backend = make_backend(name, tokenizer, len(tokenizer), [stop])
+        compiled = backend.compile("tool_call_grammar", source)
+        for what, spelled, allowed in nexts:
+            matcher = backend.matcher(compiled)
+            assert all(matcher.accept(i) for i in opening), (name, OPENINGS[parser])
+            if all(matcher.accept(byte[b]) for b in spelled) != allowed:
+                wrong.append((name, what))
+    assert not wrong, wrong

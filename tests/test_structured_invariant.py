@@ -218,10 +218,12 @@ def test_grammar_answers_keep_the_invariant(served: tuple[str, str], request):
     print(family, dict(sorted(seen.items())))
     assert httpx.get(url + "/health", timeout=10).status_code == 200  # the engine lived
     assert sum(seen.values()) >= examples * BATCH
-    # the requests exercised each grammar: an answer it ended, or (strict tools under "auto",
-    # where the random model calls only when it happens to write the call's start, and the call
-    # is then often cut by max_tokens: 0 of 30 ended in one CI-like run) a call it constrained
-    for kind in ("json_schema", "required", "named", "strict"):
+    # the requests exercised each forcing grammar: an answer it ended, or a call it constrained.
+    # Not strict tools under "auto": the random model calls only when it happens to write the
+    # call's start (0 of 32 on CI's CPU under the seed that called here), so a check of that would
+    # be luck; test_structured_output's strict test has a checkpoint that opens a call greedily.
+    for kind in ("json_schema", "required", "named"):
         ended = any(k.startswith(kind) and not k.endswith("length") for k in seen)
         assert ended or kind in called, (kind, seen, called)
+    assert any(k.startswith("strict") for k in seen), seen
     assert any(k.endswith("/stop") for k in seen) and any(k.endswith("length") for k in seen)

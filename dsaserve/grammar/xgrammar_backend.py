@@ -5,7 +5,9 @@ spend its budget on runs of whitespace, a known way for constrained decoding nev
 
 xgrammar 0.2.9 writes the characters of a length-bounded JSON string (`maxLength`/`minLength`)
 as `[^"\\\r\n]`, which lets raw control characters through (invalid JSON: `json.loads` refuses
-"\x1b") and encoded surrogates; `json_schema_grammar` narrows that class before compiling.
+"\x1b") and encoded surrogates (three bytes that decode to three U+FFFD, so the text outgrows
+its `maxLength`); `narrowed` fixes that class in every grammar with JSON in it before compiling:
+a response format's schema and the JSON argument values inside a tool-call grammar.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ class XGrammarBackend(GrammarBackend):
             if kind == "ebnf":
                 return self._compiler.compile_grammar(source)
             if kind == "tool_call_grammar":
-                return self._compiler.compile_structural_tag(json.dumps(to_structural_tag(source)))
+                return self._compiler.compile_grammar(structural_tag_grammar(source))
         except GrammarError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
@@ -81,7 +83,7 @@ class XGrammarChecker(GrammarChecker):
             elif kind == "ebnf":
                 xgr.Grammar.from_ebnf(source)
             elif kind == "tool_call_grammar":
-                xgr.Grammar.from_structural_tag(json.dumps(to_structural_tag(source)))
+                structural_tag_grammar(source)
         except GrammarError:
             raise
         except Exception as e:
@@ -96,7 +98,16 @@ _JSON_CHARS = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 def json_schema_grammar(schema: str) -> xgr.Grammar:
     """The compact JSON grammar of a schema (with the string-class fix, see the module doc)."""
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+    return narrowed(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+
+
+def structural_tag_grammar(source: str) -> xgr.Grammar:
+    """The structural tag of a `tool_call_grammar` source (with the string-class fix)."""
+    return narrowed(xgr.Grammar.from_structural_tag(json.dumps(to_structural_tag(source))))
+
+
+def narrowed(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with xgrammar's loose JSON string characters narrowed (see the module doc)."""
     text = str(grammar)
     return (
         xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
