@@ -144,7 +144,6 @@ def test_llguidance_accepts_what_xgrammar_accepts(parser, cases):
     assert not wrong, "\n".join(map(repr, wrong))
 
 
-
 NOTES = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
     "type": "object", "required": ["tags"], "properties": {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}}}}}}  # fmt: skip
