@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from proc_sockets import alive
 from server_harness import children, group_members, running_server, stop_group
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
@@ -86,14 +87,6 @@ def assert_gone(pids: list[int]) -> None:
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
         time.sleep(0.2)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def disconnect_mid_stream(server) -> None:

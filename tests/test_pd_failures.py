@@ -1,6 +1,9 @@
 """Disaggregation failures behind the real sglang-router: a broken transfer engine, a client that
-disconnects, kill -9 of the prefill mid-transfer and mid-decode, a decode restart. Each ends in an
-error in the API's shape (never a hang), both sides' KV back to idle, and new requests served."""
+disconnects, kill -9 of a prefill rank mid-transfer and mid-decode, a decode restart. Each ends in
+an error in the API's shape (never a hang), both sides' KV back to idle, and new requests served.
+The prefill runs `--tp 2`: its first rank (the engine process) writes every page, so the rank
+killed mid-transfer is that one; its other rank must follow it out, and no process or
+shared-memory file of the prefill's is left."""
 
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ from pd_harness import (
     stop_all,
     wait_for,
 )
-from server_harness import Server, _wait_ready, group_members
+from proc_sockets import alive
+from server_harness import Server, _wait_ready, children, group_members
 
 pytestmark = [requires_router, requires_nixl]
 HEARTBEAT = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-timeout", "10"]
 MESSAGES = [{"role": "user", "content": "Describe a quiet morning in a small mountain village."}]
+LAYOUT = {"prefill": ["--tp", "2"], "decode": []}
 
 
 class Cluster:
@@ -45,7 +50,8 @@ class Cluster:
     def start(self, *roles: str) -> None:
         env = {"DSASERVE_PD_FAULT_FILE": str(self.fault_file)}
         for role in roles:
-            flags = pd_flags(role, self.bootstrap, *HEARTBEAT, "--port", str(self.ports[role]))
+            flags = pd_flags(role, self.bootstrap, *HEARTBEAT, *LAYOUT[role],
+                             "--port", str(self.ports[role]))  # fmt: skip
             self.servers[role] = launch(self.checkpoint, *flags, env=env)
         for role in roles:
             self.servers[role].url = _wait_ready(self.servers[role])
@@ -149,8 +155,12 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
     for t in senders:
         t.start()
     wait_for(lambda: stats(cluster.url("decode"))["pd_rooms_active"] == 1, 30, "a room")
+    info = httpx.get(cluster.url("prefill") + "/get_server_info", timeout=30).json()
+    writer, follower = info["engine_pid"], children(info["engine_pid"])
+    assert follower, "the --tp 2 prefill's second rank"
+    shm_before = set(os.listdir("/dev/shm"))
     time.sleep(1.5)  # the prefill is now between the KV write and the aux write
-    cluster.kill("prefill")
+    os.kill(writer, signal.SIGKILL)  # the rank that writes the room's pages
     killed = time.monotonic()
     for t in senders:
         t.join(30)
@@ -158,9 +168,16 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
     assert time.monotonic() - killed < 15
     assert answers["decode"].status_code == 503, answers["decode"].text
     assert "bootstrap server" in answers["decode"].json()["error"]["message"]
-    assert isinstance(answers["prefill"], httpx.HTTPError)
+    # the prefill's API process lives on and answers its request: the engine is gone
+    assert answers["prefill"].status_code == 503, answers["prefill"]
     chunks = [first, *stream]  # the decoding request finishes on the decode alone
     assert chunks[-1].usage.completion_tokens == 300
+    # the prefill's other rank followed its engine out; its API process stays, answering 503
+    wait_for(lambda: not any(alive(pid) for pid in [writer, *follower]), 30, "the ranks gone")
+    assert httpx.get(cluster.url("prefill") + "/health", timeout=10).status_code == 503
+    cluster.kill("prefill")
+    left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
+    assert not left, left
     cluster.fault("")
     cluster.start("prefill")  # same ports; the decode registers with the new session
     cluster.assert_idle()
