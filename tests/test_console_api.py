@@ -181,14 +181,14 @@ def test_cli_json_bad_input_prints_the_same_envelope(api: TestClient, capsys):
 
 
 def test_matrix_cells_follow_the_planner_and_the_fixed_options(api: TestClient):
-    fixed = {"speculative": "dflash2", "kv_cache_dtype": "fp8_e4m3", "hicache": "true"}
+    fixed = {"speculative": "dflash2", "kv_cache_dtype": "fp8_e4m3", "hicache": "false"}
     matrix = api.get("/api/plan/matrix", params=fixed).json()
     assert matrix["fixed"] == {"speculative": "dflash2", "kv_cache_dtype": "fp8_e4m3",
-                               "hicache": True}  # fmt: skip
+                               "hicache": False}  # fmt: skip
     for cell in matrix["cells"][::7]:
         request = PlanRequest(model=cell["model"], hardware=cell["hardware"],
                               recipe=cell["recipe"], nodes=cell["nodes"], speculative="dflash2",
-                              kv_cache_dtype="fp8_e4m3", hicache=True)  # fmt: skip
+                              kv_cache_dtype="fp8_e4m3", hicache=False)  # fmt: skip
         try:
             done = plan(request)
             assert cell["ok"] and cell["nodes_planned"] == done.layout.nodes

@@ -48,8 +48,6 @@ OPTIONS = {
 # Still refused at start (README, "Server flags"): the message each one gives.
 REFUSED = {
     "--disaggregation-mode prefill with --enable-dp-attention": "pd",
-    "--speculative-algorithm DFLASH with --disaggregation-mode": "dflash-pd",
-    "--speculative-algorithm DFLASH with --enable-hierarchical-cache": "dflash-hicache",
 }
 REWRITTEN = ("--model-path", "--host", "--port", "--speculative-draft-model-path")
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]

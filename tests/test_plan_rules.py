@@ -134,6 +134,7 @@ REFUSES: list[tuple[str, PlanRequest]] = [
     ("mtp-needs-nextn", R(hardware="CPU", model="__tiny_no_mtp__", speculative="mtp",
                           input_len=64, output_len=32)),
     ("dflash2-no-dp-attention", R(recipe="balanced", speculative="dflash2")),
+    ("dflash2-no-pd-hicache", R(recipe="low-latency", speculative="dflash2", pd="decode")),
     ("fp8-kv-nvidia-only", R(hardware="MI355X", kv_cache_dtype="fp8_e4m3")),
     ("layout-divides", R(hardware="CPU", model="__tiny__", nodes=3, input_len=64)),
     ("context-fits", R(input_len=200_000, output_len=8192)),
@@ -259,6 +260,7 @@ def test_router_role_prints_only_the_router():
         (R(hardware="MI300X", speculative="mtp"), {"speculative": "auto"}),
         (R(hardware="B200", context_parallel="interleave"), {"context_parallel": None}),
         (R(recipe="balanced", speculative="dflash2"), {"speculative": "auto"}),
+        (R(recipe="low-latency", speculative="dflash2", hicache=True), {"speculative": "auto"}),
         (R(model="GLM-5.3-BF16", hardware="MI300X"), {"model": "GLM-5.3"}),
     ],
 )

@@ -233,10 +233,27 @@ def _speculative(lay: Layout) -> str:
     return lay.speculative.describe() if lay.speculative else "off"
 
 
+def _dflash(lay: Layout) -> bool:
+    return bool(lay.speculative and lay.speculative.algorithm == "DFLASH")
+
+
 @rule("dflash2-no-dp-attention", "DFlash2 drafting refuses DP attention (as SGLang's DFLASH).")
 def _dflash2(lay: Layout) -> str | None:
-    if lay.speculative and lay.speculative.algorithm == "DFLASH" and lay.dp_attention:
+    if _dflash(lay) and lay.dp_attention:
         raise Refuse(f"--speculative dflash2 with the {lay.request.recipe} recipe's DP attention")
+    return None
+
+
+@rule("dflash2-no-pd-hicache",
+      "DFlash2 drafting runs without PD roles and HiCache: the drafter's context entries would "
+      "have to move with the KV (dsaserve serve refuses both).")  # fmt: skip
+def _dflash2_alone(lay: Layout) -> str | None:
+    if _dflash(lay) and lay.request.pd is not None:
+        raise Refuse(f"--speculative dflash2 with --pd {lay.request.pd}: a PD role does not move "
+                     "the drafter's context; use --speculative mtp")  # fmt: skip
+    if _dflash(lay) and lay.request.hicache:
+        raise Refuse("--speculative dflash2 with --hicache: host pages lack the drafter's "
+                     "entries; use --speculative mtp")  # fmt: skip
     return None
 
 
