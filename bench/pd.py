@@ -3,12 +3,14 @@ real sglang-router, and the raw transfer speed of each transfer engine.
 
     python bench/pd.py [--model-path DIR] [--num-prompts 8] [--input-len 256] [--output-len 64]
                        [--concurrency 1,4] [--backends nixl,mooncake] [--threads 1]
-                       [--json bench/results/pd.json]
+                       [--tp 1,2] [--json bench/results/pd.json]
 
 Serving: the same prompts (random words, --input-len tokens), greedy with ignore_eos, streamed
 through the openai SDK; TTFT is the time to the first streamed token, output tok/s counts every
 generated token over the wall time of the batch. Colocated is one `dsaserve serve`; PD is one
-prefill and one decode (NIXL) behind `sglang_router.launch_router --pd-disaggregation`.
+prefill and one decode (NIXL) behind `sglang_router.launch_router --pd-disaggregation`. With
+`--tp 1,2` each layout runs in turn: the colocated server, the prefill and the decode all at
+`--tp N` (a `--tp N` prefill's first rank writes every page; the decode's first rank receives).
 Transfer: two processes, the initiator writes a 64 MiB registered buffer into the target's, as
 one segment and as 64 KiB segments (KV pages are that order of size), through
 `dsaserve.disaggregation.transfer`, and the target checks the bytes.
@@ -143,10 +145,10 @@ def serve_numbers(base: str, prompts: list[str], output_len: int, concurrency: i
             "output_tok_s": sum(r[1] for r in results) / wall}  # fmt: skip
 
 
-def serving(args: argparse.Namespace) -> list[dict]:
+def serving(args: argparse.Namespace, tp: int) -> list[dict]:
     model = Path(args.model_path)
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    base = ["--max-total-tokens", "16384", "--page-size", "16"]
+    base = ["--max-total-tokens", "16384", "--page-size", "16", "--tp", str(tp)]
     bootstrap = free_port()
     pd = ["--disaggregation-transfer-backend", "nixl", "--disaggregation-bootstrap-port",
           str(bootstrap)]  # fmt: skip
@@ -165,10 +167,12 @@ def serving(args: argparse.Namespace) -> list[dict]:
                         "--decode", decode.url]  # fmt: skip
         with running_router(*router_flags) as router:
             for concurrency in args.concurrency:
-                for name, url in (("colocated", colocated.url), ("1P+1D (NIXL)", router.url)):
+                setups = ((f"colocated, tp {tp}", colocated.url),
+                          (f"1P+1D (NIXL), tp {tp}", router.url))  # fmt: skip
+                for name, url in setups:
                     row = serve_numbers(url, prompts, args.output_len, concurrency)
-                    rows.append({"setup": name, **row})
-                    print(f"  {name:<14} c={concurrency}: TTFT {row['mean_ttft_ms']:.0f} ms, "
+                    rows.append({"setup": name, "tp": tp, **row})
+                    print(f"  {name:<20} c={concurrency}: TTFT {row['mean_ttft_ms']:.0f} ms, "
                           f"{row['output_tok_s']:.1f} tok/s", flush=True)  # fmt: skip
     finally:
         stop_all(servers)
@@ -184,6 +188,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--backends", default="nixl,mooncake")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                    help="tensor-parallel sizes to run, in turn (e.g. 1,2)")  # fmt: skip
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--json", default="bench/results/pd.json")
     args = ap.parse_args()
@@ -195,7 +201,7 @@ def main() -> None:
             except ImportError as e:
                 transfers.append({"backend": backend, "skipped": str(e)})
                 break
-    rows = [] if args.skip_serving else serving(args)
+    rows = [] if args.skip_serving else [row for tp in args.tp for row in serving(args, tp)]
     print("\n| setup | concurrency | mean TTFT (ms) | p50 TTFT (ms) | output tok/s |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
