@@ -116,17 +116,22 @@ DSML_CASES = [
 ]  # fmt: skip
 
 
+def tokenizer_and_stop(parser: str):
+    """The tokenizer a parser's model speaks (the embedded GLM's or a DeepSeek-V3.2 one) and its
+    end-of-text token id."""
+    if parser == "glm47":
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        return tokenizer, tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer = build_deepseek_tokenizer()
+    return tokenizer, tokenizer.eos_token_id
+
+
 @pytest.mark.parametrize(
     "parser,cases",
     [("glm47", GLM_CASES), ("deepseekv32", DSML_CASES)],
 )
 def test_llguidance_accepts_what_xgrammar_accepts(parser, cases):
-    if parser == "glm47":
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-        stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    else:
-        tokenizer = build_deepseek_tokenizer()
-        stop = tokenizer.eos_token_id
+    tokenizer, stop = tokenizer_and_stop(parser)
     backends = [make_backend(name, tokenizer, len(tokenizer), [stop])
                 for name in ("xgrammar", "llguidance")]  # fmt: skip
     wrong = []
@@ -159,12 +164,7 @@ def test_json_argument_strings_hold_json_characters(parser):
     """A string inside a JSON argument value holds JSON's characters only: not a raw control
     character (`json.loads` refuses it) nor the UTF-8 bytes of a surrogate (ED A0 80 decodes to
     three U+FFFD, which outgrows `maxLength`); xgrammar's own JSON strings let both through."""
-    if parser == "glm47":
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-        stop = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    else:
-        tokenizer = build_deepseek_tokenizer()
-        stop = tokenizer.eos_token_id
+    tokenizer, stop = tokenizer_and_stop(parser)
     # each byte's own token, through the byte-level alphabet (GPT-2's byte -> character map)
     byte = {b: tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
     opening = tokenizer(OPENINGS[parser], add_special_tokens=False)["input_ids"]
