@@ -179,17 +179,20 @@ def serving(args: argparse.Namespace, tp: int) -> list[dict]:
     return rows
 
 
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-path", default=str(default_model_path()))
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--concurrency", type=int_list, default=[1, 4])
     ap.add_argument("--backends", default="nixl,mooncake")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--tp", type=lambda s: [int(x) for x in s.split(",")], default=[1],
-                    help="tensor-parallel sizes to run, in turn (e.g. 1,2)")  # fmt: skip
+    ap.add_argument("--tp", type=int_list, default=[1], help="tensor-parallel sizes, in turn")
     ap.add_argument("--skip-serving", action="store_true")
     ap.add_argument("--json", default="bench/results/pd.json")
     args = ap.parse_args()

@@ -248,10 +248,12 @@ def _dflash2(lay: Layout) -> str | None:
       "DFlash2 drafting runs without PD roles and HiCache: the drafter's context entries would "
       "have to move with the KV (dsaserve serve refuses both).")  # fmt: skip
 def _dflash2_alone(lay: Layout) -> str | None:
-    if _dflash(lay) and lay.request.pd is not None:
+    if not _dflash(lay):
+        return None
+    if lay.request.pd is not None:
         raise Refuse(f"--speculative dflash2 with --pd {lay.request.pd}: a PD role does not move "
                      "the drafter's context; use --speculative mtp")  # fmt: skip
-    if _dflash(lay) and lay.request.hicache:
+    if lay.request.hicache:
         raise Refuse("--speculative dflash2 with --hicache: host pages lack the drafter's "
                      "entries; use --speculative mtp")  # fmt: skip
     return None
