@@ -7,8 +7,8 @@ copy: a rank that skipped it would attend to stale KV for its heads), with `cach
 reported and the same tokens and logprobs as the single process, which runs the same requests
 with the same flags. Then both restart on the file tier: the first prompt comes back from
 storage (each rank reads its own files), and a rank is killed with a load-back in flight. DP
-attention: each group has its own tiers. The process trees are checked empty after (SIGTERM to
-the API process alone).
+attention: each group has its own tiers; the same for a DeepSeek-V3.2 checkpoint (no shared
+indexer layers). The process trees are checked empty after (SIGTERM to the API process alone).
 """
 
 from __future__ import annotations
@@ -122,6 +122,20 @@ def test_dp_attention_groups_keep_their_own_tiers(glm, single, tmp_path):
     assert [g["hicache_host_hit_tokens"] for g in groups] == [64, 0]
     assert all(g["hicache_d2h_bytes"] > 0 for g in groups)
     assert len([p for p in store.iterdir() if p.is_dir()]) == 1  # one attention-TP rank
+
+
+def test_deepseek_dp_attention_groups_keep_their_own_tiers(tmp_path_factory, tmp_path):
+    """DeepSeek-V3.2 (`deepseek_v32`, MTP layer) under `--tp 2 --dp 2 --enable-dp-attention`
+    with HiCache: the same tokens, logprobs and `cached_tokens` as the single process; prompt 0
+    comes back from group 0's host tier."""
+    folder = tmp_path_factory.mktemp("hicache_tp_deepseek") / "ckpt"
+    deepseek = make_mtp_checkpoint(folder, "deepseek", seed=5)
+    want, _ = serve_sequence(deepseek, tmp_path / "single", restart=False)
+    flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention"]
+    got, (stats,) = serve_sequence(deepseek, tmp_path / "dpa", *flags, restart=False)
+    assert_same(got, want)
+    assert [c for _, _, c in got] == [0] * 6 + [64]
+    assert [g["hicache_host_hit_tokens"] for g in stats["dp_groups"]] == [64, 0]
 
 
 def kill_a_rank_mid_load_back(server) -> None:

@@ -332,6 +332,9 @@ def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
     assert time.monotonic() - started < 60
 
 
+DPA_PREFILL = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregation-mode=prefill"]
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -341,6 +344,10 @@ def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
         (
             ["--tp", "2", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
             "replicas (without --enable-dp-attention) run on one node",
+        ),
+        (
+            [*DPA_PREFILL, "--disaggregation-bootstrap-port", "0"],
+            "--disaggregation-bootstrap-port 0 is not allowed",
         ),
     ],
 )

@@ -4,7 +4,9 @@ checkpoint, EAGLE at the decode, prompts longer than index_topk; the per-room ch
 decode received exactly the bytes the prefill computed for every layer, indexer layer and MTP.
 The NIXL prefill runs `--tp 2` (its first rank writes every page); its decodes run `--tp 1`,
 `--tp 2` (the first rank copies what it received to the other: KV_SHARE) and `--tp 2 --dp 2
---enable-dp-attention`; the Mooncake pair runs `--tp 1`. The PD roles hold a cluster secret:
+--enable-dp-attention`; the Mooncake prefill runs `--tp 2 --dp 2 --enable-dp-attention` (room r
+prefilled by attention group r % 2, each group writing from its own pool) into a `--tp 2`
+decode. The PD roles hold a cluster secret:
 their bootstrap routes and ZMQ frames are authenticated."""
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def mooncake_available() -> bool:
 @pytest.fixture(scope="module")
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated; a `--tp 2` prefill with three decodes (NIXL): `--tp 1`, `--tp 2` and
-    `--tp 2 --dp 2 --enable-dp-attention`; and (where Mooncake imports) a `--tp 1` pair."""
+    `--tp 2 --dp 2 --enable-dp-attention`; and (where Mooncake imports) a DP-attention prefill
+    into a `--tp 2` decode."""
     port, mooncake_port = free_port(), free_port()
     names = ["colocated", "prefill", "decode", "decode2", "dpa_decode"]
     specs = [
@@ -71,9 +74,9 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     ]
     if mooncake_available():
         names += ["mooncake_prefill", "mooncake_decode"]
-        for role in ("prefill", "decode"):
+        for role, layout in (("prefill", DPA), ("decode", ["--tp", "2"])):
             flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
-            specs.append((checkpoint, EAGLE + flags, SECRET))
+            specs.append((checkpoint, EAGLE + flags + layout, SECRET))
     with running_servers(specs) as started:
         yield {**dict(zip(names, started)), "bootstrap_port": port,
                "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
@@ -167,8 +170,24 @@ def test_one_prefill_one_decode_matches_colocated(
     assert layers == rooms * _layers_per_room(checkpoint)
     assert after["pd_bytes"] > before["pd_bytes"]
     assert after["spec_verify_ct"] > 0, "EAGLE ran at the decode"
+    if backend == "mooncake":  # the DP-attention prefill: rooms of both parities, both groups
+        _until_every_group_served(router_flags=flags, prefill=prefill)
     for server in (prefill, decode):
         wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+
+
+def _until_every_group_served(router_flags: list[str], prefill: Server) -> None:
+    """The router picks rooms at random: send more until each group has prefilled one (10
+    rooms all of one parity happen once in 512 runs), then check each served its own."""
+    groups = stats(prefill.url)["dp_groups"]
+    with running_router(*router_flags) as router:
+        for _ in range(40):
+            if all(g["pd_rooms_ok"] > 0 for g in groups):
+                break
+            _generate(router.url, PROMPTS[0])
+            groups = stats(prefill.url)["dp_groups"]
+    assert len(groups) == 2 and all(g["pd_rooms_ok"] > 0 for g in groups), groups
+    assert stats(prefill.url)["pd_rooms_failed"] == 0
 
 
 def test_a_tp2_prefill_into_a_dp_attention_decode_behind_the_router(

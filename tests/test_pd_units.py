@@ -4,19 +4,27 @@ bootstrap server's answers, and the router's fields on a request."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import socket
+import threading
+import time
 import types
 
 import httpx
 import pytest
 import torch
+import zmq
 
 from dsaserve.args import ServerArgs
 from dsaserve.disaggregation import aux, bootstrap, kv_regions
+from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import KVPoll, Status, TransferInfo, parse_to_prefill
 from dsaserve.disaggregation.request_fields import attach_bootstrap
-from dsaserve.engine.io import GenerateRequest, TokenLogprob
+from dsaserve.engine.io import Bootstrap, GenerateRequest, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
+from dsaserve.runtime import ipc
+from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.errors import APIError
 from dsaserve.server.openai.protocol import GenerateRequestIn
 
@@ -101,6 +109,91 @@ def test_bootstrap_server_routes() -> None:
             bootstrap.query_route(address, (0, 0, 1, 0), None)
     finally:
         server.close()
+
+
+def _rank(group: int, groups: int, port: int) -> dict:
+    """A prefill group leader's registration (attn_dp_rank `group` of `groups`)."""
+    return {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": groups, "attn_dp_rank": group, "pp_size": 1, "pp_rank": 0,
+            "rank_ip": "127.0.0.1", "rank_port": port, "page_size": 16,
+            "kv_cache_dtype": "bf16"}  # fmt: skip
+
+
+def test_a_dp_attention_prefill_registers_every_group_and_the_decode_resolves_each() -> None:
+    """Group 1 registers while group 0's bootstrap server is still starting (it waits); the
+    layout answers 503 until both groups registered, then `dp_size` 2; the decode's directory
+    resolves both groups' endpoints and sends room r to group r % 2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    started: list = []
+    later = threading.Timer(0.5, lambda: started.append(
+        bootstrap.BootstrapServer("127.0.0.1", port, None, 10.0)))  # fmt: skip
+    later.start()
+    directory = None
+    try:
+        with pytest.raises(OSError):  # without waiting: nobody listens yet
+            bootstrap.register_rank(address, _rank(1, 2, 2001), None)
+        bootstrap.register_rank(address, _rank(1, 2, 2001), None, wait=10.0)
+        with pytest.raises(RuntimeError, match="503"):  # group 0 not registered yet
+            bootstrap.query_route(address, (-1, -1, -1, -1), None)
+        bootstrap.register_rank(address, _rank(0, 2, 2000), None)
+        info = bootstrap.query_route(address, (-1, -1, -1, -1), None)
+        assert info["dp_size"] == 2 and info["follow_bootstrap_room"]
+        directory = PrefillDirectory(0.2, None)
+        directory.want(address)
+        deadline = time.monotonic() + 10
+        while not directory.get(address).endpoints and time.monotonic() < deadline:
+            time.sleep(0.05)
+        prefill = directory.get(address)
+        assert prefill.endpoints == ("tcp://127.0.0.1:2000", "tcp://127.0.0.1:2001")
+        assert [prefill.endpoint(room) for room in (4, 7, 2**63 - 1)] == [
+            "tcp://127.0.0.1:2000", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2001"]  # fmt: skip
+    finally:
+        later.join()
+        if directory is not None:
+            directory.close()
+        for server in started:
+            server.close()
+
+
+def test_a_dp_attention_prefill_controller_sends_each_room_to_its_group() -> None:
+    """`follow_room`: room r goes to group r % 2, a batch split across groups in request
+    order; without it the batch stays together and the policy decides."""
+    assert asyncio.run(_dispatched(follow_room=True)) == [["4"], ["7", "9"]]
+    assert asyncio.run(_dispatched(follow_room=False)) == [["4", "7", "9"], []]
+
+
+async def _dispatched(follow_room: bool) -> list[list[str]]:
+    paths = ipc.IpcPaths.fresh()
+    client = DPEngineClient(paths, 2, follow_room=follow_room)
+    context = zmq.Context()
+    inboxes = []
+    try:
+        for group in range(2):
+            inboxes.append(context.socket(zmq.PULL))
+            inboxes[-1].connect(paths.for_group(group).to_engine)
+            assert client.sockets[group].poll(5000, zmq.POLLOUT)  # connected
+        requests = _requests(3)
+        for request, room in zip(requests, (4, 7, 9)):
+            request.rid = str(room)
+            request.bootstrap = Bootstrap(host="127.0.0.1", port=1, room=room)
+        streams = await client.submit(requests)
+        assert [stream.rid for stream in streams] == ["4", "7", "9"]
+        got = []
+        for inbox in inboxes:
+            message = ipc.decode_to_engine(inbox.recv()) if inbox.poll(2000) else None
+            got.append([r.rid for r in message.requests] if message else [])
+        for stream in streams:
+            stream.end(abort=False)
+        return got
+    finally:
+        for inbox in inboxes:
+            inbox.close(linger=0)
+        context.term()
+        client.close()
+        paths.cleanup(2)
 
 
 def _requests(n: int) -> list[GenerateRequest]:

@@ -131,9 +131,19 @@ def _request(method: str, url: str, body: dict | None, timeout: float,
         return e.code, e.read(MAX_BODY_BYTES)
 
 
-def register_rank(address: str, data: dict, secret: str | None, timeout: float = 5.0) -> str:
-    """`PUT /route`; the registration_id that lets this process re-register the rank."""
-    status, body = _request("PUT", f"http://{address}/route", data, timeout, secret)
+def register_rank(address: str, data: dict, secret: str | None, timeout: float = 5.0,
+                  wait: float = 0.0) -> str:  # fmt: skip
+    """`PUT /route`; the registration_id that lets this process re-register the rank. `wait`:
+    seconds to keep trying while nothing listens at `address` yet."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            status, body = _request("PUT", f"http://{address}/route", data, timeout, secret)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
     if status != 200:
         raise RuntimeError(f"bootstrap server {address} refused the registration: {body!r}")
     return json.loads(body)["registration_id"]

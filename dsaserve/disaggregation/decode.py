@@ -144,21 +144,22 @@ class DecodeEngine(RoleEngine):
         prefill = self.directory.get(state.address)
         if prefill.lost and prefill.answered_at > state.since:  # still lost after the room came
             return self._fail(room, prefill.lost, 503)
-        if prefill.endpoint is None:  # resolving (a restarted prefill answers within a look)
+        endpoint = prefill.endpoint(room)  # the prefill's attention group for this room
+        if endpoint is None:  # resolving (a restarted prefill answers within a look)
             return
         reply_to = self.endpoint_for(split_host_port(state.address)[0])
-        if self.registered.get(prefill.endpoint, "") != prefill.session:
+        if self.registered.get(endpoint, "") != prefill.session:
             registration = Registration(
                 reply_to, self.agent_name, self.transfer.metadata(), self.layout
             )
-            self.send(prefill.endpoint, registration.frames())
-            self.registered[prefill.endpoint] = prefill.session
+            self.send(endpoint, registration.frames())
+            self.registered[endpoint] = prefill.session
         if not self._allocate(state):
             return  # no free KV yet: try again next step
-        state.endpoint, state.session = prefill.endpoint, prefill.session
+        state.endpoint, state.session = endpoint, prefill.session
         state.reply_to = reply_to
         info = TransferInfo(room, reply_to, self.agent_name, state.pages, state.aux_index)
-        self.send(prefill.endpoint, info.frames())
+        self.send(endpoint, info.frames())
         state.state = KVPoll.WaitingForInput
 
     def _allocate(self, state: Room) -> bool:

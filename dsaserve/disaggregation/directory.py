@@ -1,5 +1,7 @@
-"""The decode's view of its prefills: each bootstrap address resolved to the prefill rank's ZMQ
-endpoint (`GET /route`), then watched by a heartbeat (`GET /health` every
+"""The decode's view of its prefills: each bootstrap address resolved to the ZMQ endpoint of every
+attention group of the prefill (`GET /route`: the layout, then rank (g, 0, 0, 0) for each group g
+of its `dp_size`; a room is prefilled by group `room % dp_size`, SGLang's
+`follow_bootstrap_room`), then watched by a heartbeat (`GET /health` every
 `--disaggregation-heartbeat-interval` seconds; `SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`
 misses, default 2, mark it lost). A lost prefill that answers again is resolved afresh (a restart
 has a new session, so the decode registers again). All network calls run in one thread.
@@ -10,23 +12,27 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dsaserve.cluster.addresses import tcp_endpoint
 from dsaserve.disaggregation import bootstrap
 
 ALL_RANKS = (-1, -1, -1, -1)
-FIRST_RANK = (0, 0, 0, 0)
+MAX_GROUPS = 256  # attention groups of one prefill
 
 
 @dataclass
 class Prefill:
-    endpoint: str | None = None  # tcp://rank_ip:rank_port once resolved
+    endpoints: tuple[str, ...] = ()  # each attention group's tcp://rank_ip:rank_port, resolved
     session: str | None = None
     lost: str | None = None  # why it is considered gone
     failures: int = 0
     last_check: float = 0.0
     answered_at: float = 0.0  # when the last look at it (resolve or heartbeat) ended
+
+    def endpoint(self, room: int) -> str | None:
+        """The ZMQ endpoint of the group that prefills `room` (None until resolved)."""
+        return self.endpoints[room % len(self.endpoints)] if self.endpoints else None
 
 
 class PrefillDirectory:
@@ -45,14 +51,13 @@ class PrefillDirectory:
     def want(self, address: str) -> None:
         with self.lock:
             entry = self.entries.setdefault(address, Prefill())
-            if entry.endpoint is None:  # new, or lost: look (again) now
+            if not entry.endpoints:  # new, or lost: look (again) now
                 self.wake.set()
 
     def get(self, address: str) -> Prefill:
         with self.lock:
             entry = self.entries.get(address) or Prefill()
-            return Prefill(entry.endpoint, entry.session, entry.lost, entry.failures,
-                           entry.last_check, entry.answered_at)  # fmt: skip
+            return replace(entry)
 
     def close(self) -> None:
         self.stopped = True
@@ -70,10 +75,10 @@ class PrefillDirectory:
     def _check(self, address: str) -> None:
         entry = self.entries[address]
         now = time.monotonic()
-        if entry.endpoint is not None and now - entry.last_check < self.interval:
+        if entry.endpoints and now - entry.last_check < self.interval:
             return
         entry.last_check = now
-        if entry.endpoint is None:
+        if not entry.endpoints:
             return self._resolve(address, entry)
         if bootstrap.healthy(address):
             entry.failures = 0
@@ -83,13 +88,18 @@ class PrefillDirectory:
     def _resolve(self, address: str, entry: Prefill) -> None:
         try:
             info = bootstrap.query_route(address, ALL_RANKS, self.secret)
-            rank = bootstrap.query_route(address, FIRST_RANK, self.secret)
-            endpoint = tcp_endpoint(str(rank["rank_ip"]), int(rank["rank_port"]))
+            groups = int(info.get("dp_size", 1))
+            if not 1 <= groups <= MAX_GROUPS:
+                raise ValueError(f"dp_size {groups} is out of range")
+            endpoints = []
+            for group in range(groups):
+                rank = bootstrap.query_route(address, (group, 0, 0, 0), self.secret)
+                endpoints.append(tcp_endpoint(str(rank["rank_ip"]), int(rank["rank_port"])))
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as e:
             self._missed(entry, f"cannot reach the prefill's bootstrap server {address}: {e}")
             return
         with self.lock:
-            entry.endpoint = endpoint
+            entry.endpoints = tuple(endpoints)
             entry.session = str(info.get("dsaserve_session"))
             entry.lost, entry.failures = None, 0
             entry.answered_at = time.monotonic()
@@ -100,4 +110,4 @@ class PrefillDirectory:
             entry.answered_at = time.monotonic()
             if entry.failures >= self.max_failures:
                 entry.lost = reason
-                entry.endpoint = None  # resolve again if it comes back
+                entry.endpoints = ()  # resolve again if it comes back

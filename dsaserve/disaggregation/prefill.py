@@ -6,7 +6,11 @@ With `--tp N` the prefill is one attention group: every rank holds the same KV b
 entry and indexer keys are replicated), so the group's first rank, which runs this role, writes
 every page from its own pool and registers alone with the bootstrap server (`attn_tp_size` 1);
 the other ranks only compute. (A `--tp N` decode's first rank receives it all and copies it to
-its group: `Engine.adopt`.)
+its group: `Engine.adopt`.) Under DP attention (`--dp D --enable-dp-attention`) each of the D
+groups' first rank runs this role on its own pool: group 0's hosts the bootstrap server, every
+group registers there as `attn_dp_rank` g of `attn_dp_size` D, the API process sends room r to
+group r % D, and the decode sends that room's destination to the same group
+(directory.py), which writes the room's pages from its pool to the decode's.
 
 Departures from SGLang, on purpose: the write runs in the engine loop right after the forward
 (one synchronous transfer per room, before the pages go back to the radix cache), not in a pool
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsaserve.args import ServerArgs
-from dsaserve.cluster.addresses import advertise_host, is_wildcard
+from dsaserve.cluster.addresses import advertise_host, is_wildcard, split_host_port
 from dsaserve.disaggregation import aux, bootstrap, kv_regions
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
@@ -41,6 +45,7 @@ logger = logging.getLogger(__name__)
 FAILED_MEMORY_S = 600.0
 MAX_PEERS = 1024  # decodes registered at once
 MAX_EARLY_INFOS = 65536  # destinations waiting for their request to arrive
+REGISTER_WAIT_S = 120.0  # a group g > 0 waits this long for group 0's bootstrap server
 
 
 @dataclass
@@ -60,29 +65,41 @@ class Room:
 class PrefillEngine(RoleEngine):
     role = "prefill"
 
-    def __init__(self, engine: Any, args: ServerArgs, reject: Reject) -> None:
+    def __init__(self, engine: Any, args: ServerArgs, reject: Reject, group: int = 0,
+                 groups: int = 1) -> None:  # fmt: skip
         super().__init__(engine, args, reject, aux_slots=1)
         engine.before_release = self._on_release
+        self.group, self.groups = group, groups
         self.peers: dict[str, Peer] = {}
         self.rooms: dict[int, Room] = {}
         self.room_of: dict[str, int] = {}
         self.infos: dict[int, tuple[TransferInfo, float]] = {}
         self.failed: dict[int, tuple[str, float]] = {}  # rooms that failed here, for late infos
         self.transfer_failed: dict[str, str] = {}
-        self.server = bootstrap.BootstrapServer(self.bind_host, args.disaggregation_bootstrap_port,
-                                                self.secret, args.header_timeout)  # fmt: skip
-        local = "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
-        self.registration_id = bootstrap.register_rank(
-            f"{local}:{self.server.port}", self._rank_info(), self.secret
-        )
-        logger.info("prefill: bootstrap server on %s:%d, KV over %s, rank at %s (%s)",
-                    self.bind_host, self.server.port, self.transfer.name, self.endpoint,
+        port = args.disaggregation_bootstrap_port
+        self.server = None  # group 0's
+        if group == 0:
+            self.server = bootstrap.BootstrapServer(self.bind_host, port, self.secret,
+                                                    args.header_timeout)  # fmt: skip
+            port = self.server.port
+        wait = 0.0 if group == 0 else REGISTER_WAIT_S  # group 0's server may still be starting
+        address = f"{self._bootstrap_host()}:{port}"
+        self.registration_id = bootstrap.register_rank(address, self._rank_info(), self.secret,
+                                                       wait=wait)  # fmt: skip
+        logger.info("prefill group %d/%d: bootstrap server on port %d, KV over %s, rank at %s "
+                    "(%s)", group, groups, port, self.transfer.name, self.endpoint,
                     "authenticated" if self.secret else "loopback, no cluster secret")  # fmt: skip
+
+    def _bootstrap_host(self) -> str:
+        """Where group 0's bootstrap server listens, as seen from this group's node."""
+        if self.group and self.args.nnodes > 1:  # group 0 runs on node 0
+            return split_host_port(self.args.dist_init_addr)[0]
+        return "127.0.0.1" if is_wildcard(self.bind_host) else self.bind_host
 
     def _rank_info(self) -> dict:
         ranks = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,
-                 "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
-                 "system_dp_size": 1, "system_dp_rank": 0}  # fmt: skip
+                 "attn_dp_size": self.groups, "attn_dp_rank": self.group, "pp_size": 1,
+                 "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0}  # fmt: skip
         return {**ranks, "rank_ip": advertise_host(self.args), "rank_port": self.rank_port,
                 "page_size": self.engine.pool.page_size, "kv_cache_dtype": self.layout["dtype"],
                 "dsaserve_session": self.session,
@@ -299,5 +316,6 @@ class PrefillEngine(RoleEngine):
         return detail
 
     def close(self, graceful: bool = True) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         super().close(graceful)

@@ -17,16 +17,19 @@ def serving_engine(args: ServerArgs, parallel: ParallelState, reject: Reject) ->
     from dsaserve.engine.engine import Engine  # the engine process's: the API process has none
 
     engine = Engine(args, parallel, show_progress=parallel.rank == 0)
-    return engine if args.disaggregation_mode == "null" else wrap(engine, args, reject)
+    if args.disaggregation_mode == "null":
+        return engine
+    return wrap(engine, args, reject, parallel.dp_rank, parallel.sizes.groups)
 
 
-def wrap(engine: Any, args: ServerArgs, reject: Reject) -> Any:
+def wrap(engine: Any, args: ServerArgs, reject: Reject, group: int = 0, groups: int = 1) -> Any:
+    """`group` of `groups`: the attention group this engine is (DP attention), for a prefill."""
     if not hasattr(engine, "pool"):
         raise ArgsError("--disaggregation-mode needs the real engine (not a scripted one)")
     if args.disaggregation_mode == "prefill":
         from dsaserve.disaggregation.prefill import PrefillEngine
 
-        return PrefillEngine(engine, args, reject)
+        return PrefillEngine(engine, args, reject, group, groups)
     from dsaserve.disaggregation.decode import DecodeEngine
 
     return DecodeEngine(engine, args, reject)

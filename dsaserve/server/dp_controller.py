@@ -6,8 +6,11 @@ alone: N engine processes of `--tp` ranks each, server/engine_processes.py); the
 same. Each group (scheduler, KV pool, radix cache) has its own request socket; outputs of all
 groups come back on one. A request goes to the group that already cached the longest page-aligned
 prefix of it, where one did; otherwise by `--load-balance-method`: `round_robin`, or
-`shortest_queue` (fewest requests in flight from this controller). Control calls fan out to
-every group and their stats come back summed, with each group's own under "dp_groups".
+`shortest_queue` (fewest requests in flight from this controller). A PD prefill under DP
+attention (`follow_room`) sends room r to group r % N instead, where the decode sends its KV
+destination (SGLang's `follow_bootstrap_room`); a batch's rooms may go to several groups.
+Control calls fan out to every group and their stats come back summed, with each group's own
+under "dp_groups".
 """
 
 from __future__ import annotations
@@ -55,10 +58,12 @@ class PrefixMap:
 
 class DPEngineClient(EngineClient):
     def __init__(self, paths: ipc.IpcPaths, groups: int, method: str = "round_robin",
-                 page_size: int | None = None, secret: str | None = None) -> None:  # fmt: skip
+                 page_size: int | None = None, secret: str | None = None,
+                 follow_room: bool = False) -> None:  # fmt: skip
         super().__init__(paths, secret)
         self.groups = groups
         self.method = method
+        self.follow_room = follow_room
         self.sockets = [self.to_engine]
         for group in range(1, groups):
             sock = ipc.serve_socket(self.send_auth, self.send_context.socket(zmq.PUSH))
@@ -75,6 +80,8 @@ class DPEngineClient(EngineClient):
 
     # ---- dispatch -------------------------------------------------------------------------
     def choose(self, request: GenerateRequest) -> int:
+        if self.follow_room and request.bootstrap is not None:
+            return request.bootstrap.room % self.groups
         cached = self.prefixes.lookup(list(request.input_ids))
         if cached is not None:
             return cached
@@ -83,7 +90,24 @@ class DPEngineClient(EngineClient):
         return next(self.turn) % self.groups
 
     async def submit(self, requests: list[GenerateRequest]):
-        group = self.choose(requests[0])
+        """To one group (the first request's choice); with `follow_room`, each request to its
+        room's, and should one group refuse, the parts already sent are aborted."""
+        if not self.follow_room:
+            return await self._submit_to(self.choose(requests[0]), requests)
+        parts: dict[int, list[GenerateRequest]] = {}
+        for request in requests:
+            parts.setdefault(self.choose(request), []).append(request)
+        streams: dict[str, Any] = {}
+        try:
+            for group, part in parts.items():
+                streams.update((s.rid, s) for s in await self._submit_to(group, part))
+        except BaseException:
+            for stream in streams.values():
+                stream.end(abort=True, by_client=False)
+            raise
+        return [streams[request.rid] for request in requests]
+
+    async def _submit_to(self, group: int, requests: list[GenerateRequest]):
         self._target = group
         try:
             streams = await super().submit(requests)

@@ -118,7 +118,8 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
         paths = ipc.IpcPaths.fresh()
     if groups > 1:
         engine = DPEngineClient(paths, groups, args.load_balance_method, args.page_size,
-                                cluster_secret(args))  # fmt: skip
+                                cluster_secret(args),
+                                follow_room=args.disaggregation_mode == "prefill")  # fmt: skip
     else:
         engine = EngineClient(paths)
     engines = start_engines(args, paths, engine_factory)
