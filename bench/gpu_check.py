@@ -16,7 +16,8 @@ the static decode forward captured once per batch, replayed) at batch 1, 8, 32, 
 Triton kernel (indexer, sparse MLA, block-FP8 GEMM, grouped masked MoE), and divides by the
 bytes-moved floor at the measured copy bandwidth; then the DFLASH parts (bench/gpu_check_dflash.py:
 the drafter's attention kernel, and the verify step with the drafter's target layers through the
-same graph runner). It prints a table and writes JSON. One routed
+same graph runner); then, where two GPUs are, `--tp 2` CUDA-graph decode against eager
+(bench/gpu_check_ranks.py). It prints a table and writes JSON. One routed
 expert set is shared by the MoE layers (75 would not fit beside the KV; each layer still reads
 its experts' bytes from HBM).
 """
@@ -161,6 +162,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from gpu_check_dflash import run_dflash_checks, verify_rows  # the torch / Triton part
+    from gpu_check_ranks import run_rank_graphs
     from gpu_check_run import run_checks, run_timing
 
     spec = BUILTIN_MODELS[args.model]
@@ -197,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['error']:.2e}")
         report["checks"] += replays
         failed += [c for c in replays if not c["ok"]]
+    report["ranks"] = run_rank_graphs()
+    print(f"  {report['ranks']['name']}: {report['ranks']['ok']} ({report['ranks']['detail']})")
+    failed += [report["ranks"]] if report["ranks"]["ok"] is False else []
     report["wall_s"] = time.perf_counter() - started
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0

@@ -223,6 +223,30 @@ def test_todays_decode_paths_do_sync(tmp_path, path):
     assert any(entry.path.name == "moe.py" for entry in raised.traceback)
 
 
+def test_tp2_every_rank_replays_the_same_bucket(tmp_path, monkeypatch, forced_graphs):
+    """`--tp 2`, EAGLE on: each rank builds its own runner over its shard and pool, and every
+    FORWARD round runs it on both ranks in the same bucket (the leader's steps are counted; a
+    follower running the layered model instead would all-reduce other sizes, which the
+    shared-memory collectives refuse). Greedy tokens and logprobs equal the same layout without
+    graphs, padded rows and verify rows included."""
+    monkeypatch.setenv("DSASERVE_GRAPH_DEVICES", "cuda,cpu")  # the spawned follower's
+    folder = str(make_mtp_checkpoint(tmp_path / "ckpt", "glm", 0,
+                                     indexer_types=["full", "shared", "full"]))  # fmt: skip
+    prompts = _prompts(0)
+    args = dict(tp_size=2, page_size=4, max_total_tokens=2048, speculative_algorithm="EAGLE",
+                speculative_num_steps=2)  # fmt: skip
+    with LLM(folder, disable_cuda_graph=True, **args) as eager:
+        want = eager.generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(folder, **args) as llm:
+        assert llm.engine.runner.graphs is None  # the rounds run them, on every rank
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)
+        steps = llm.engine.stats()["cuda_graph"]["steps"]
+    assert steps > 0 and steps == len(forced_graphs)
+    assert max(rows for rows, _ in forced_graphs) > len(prompts)  # verify rows
+    assert max(padded for _, padded in forced_graphs) >= 1
+    _assert_same(want, got)
+
+
 def test_static_decode_refuses_split_models(tmp_path) -> None:
     model = _meta_model(tmp_path, "glm", 0)
     assert StaticDecode.supports(model)

@@ -5,7 +5,10 @@ when they do not (each wait is a blocking read and a wake-up), and a decode step
 layer. Here the ranks of a group map one file under /dev/shm (unlinked as soon as every rank has
 mapped it, so nothing is left behind even after kill -9; 0600, so no other user maps it):
 
-- a flag per rank, each on its own cache line: the sequence number of the last message it wrote;
+- a flag per rank, each on its own cache line: the sequence number of the last message it wrote,
+  and beside it (one word per data area) that message's size: every rank checks that all ranks
+  sent the same size, so ranks out of step (one reducing a padded batch, another the real
+  rows: what NCCL would hang on) fail at once instead of summing misaligned bytes;
 - two data areas (used alternately), each with one slot of `SLOT_BYTES` per rank.
 
 A collective writes this rank's part into its slot, publishes the sequence number, waits until
@@ -62,7 +65,9 @@ class ShmGroup:
         flag_bytes = self.size * FLAG_STRIDE * 8
         total = flag_bytes + 2 * self.size * SLOT_BYTES
         self.memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self.flags = self.memory[:flag_bytes].view(torch.int64).numpy()[::FLAG_STRIDE]
+        words = self.memory[:flag_bytes].view(torch.int64).numpy()
+        self.flags = words[::FLAG_STRIDE]
+        self.sizes = [words[1::FLAG_STRIDE], words[2::FLAG_STRIDE]]  # per data area
         self.data = self.memory[flag_bytes:].view(2, self.size, SLOT_BYTES)
         self.seq = 0
         self.wait_seconds = 0.0
@@ -137,8 +142,13 @@ class ShmGroup:
         slots = [area[r, :nbytes].view(part.dtype) for r in range(self.size)]
         if write:
             slots[self.index].copy_(part)
+        sizes = self.sizes[self.seq % 2]
+        sizes[self.index] = nbytes
         self.flags[self.index] = self.seq
         self._wait(self.seq)
+        if (sizes != nbytes).any():
+            raise RuntimeError(f"shared-memory collective: the group's ranks sent {sizes.tolist()} "
+                               "bytes for one message (ranks out of step)")  # fmt: skip
         return slots
 
     def _wait(self, seq: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import time
 from typing import NamedTuple
 
@@ -28,12 +29,14 @@ from torch import nn
 
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.kernels.registry import Kernels
-from dsaserve.layers.forward_batch import ForwardBatch, forward_context
+from dsaserve.layers.forward_batch import ForwardBatch, installed
 from dsaserve.layers.static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)
 
-GRAPH_DEVICES = ("cuda",)  # device types the engine builds the runner for
+# device types the engine builds the runner for; DSASERVE_GRAPH_DEVICES=cuda,cpu also builds it
+# on CPU, where it runs the padded static step eagerly (how the tests check it across ranks)
+GRAPH_DEVICES = tuple(os.environ.get("DSASERVE_GRAPH_DEVICES", "cuda").split(","))
 MAX_DEFAULT_BS = 256
 FIRST_CONTEXT = 64
 MAX_TABLE_ENTRIES = 1 << 24  # rows x context of the largest slot table kept static (144 MB)
@@ -127,6 +130,7 @@ class CudaGraphRunner:
                  max_context: int, scratch: int, capture: bool,
                  taps: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.forward = StaticDecode(model, taps).forward  # taps: a DFlash drafter's layers
+        self.taps = taps
         self.pool, self.kernels, self.capture = pool, kernels, capture
         self.rows = rows
         self.contexts = context_buckets(max_context)
@@ -141,13 +145,15 @@ class CudaGraphRunner:
     def build(cls, model: nn.Module, pool: KVPool, kernels: Kernels, max_bs: int | None,
               running: int, spec_steps: int, disabled: bool,
               taps: tuple[int, ...] = ()) -> CudaGraphRunner | None:  # fmt: skip
-        """The runner for this engine, or None: disabled, not CUDA, or a model / pool the static
-        forward does not cover (several ranks, a layer-split cache)."""
+        """The runner for this rank, or None: disabled, not CUDA, or a model / pool the static
+        forward does not cover (DP attention, expert parallel, a layer-split cache). Every rank
+        of a `--tp N` engine builds its own over its shard and its pool, whose first page (a
+        fresh pool's, the same on every rank) holds the scratch slot."""
         device = pool.index_cache.device
         if disabled or device.type not in GRAPH_DEVICES:
             return None
         if not isinstance(pool.kv_cache, torch.Tensor) or not StaticDecode.supports(model):
-            logger.info("CUDA graphs: not for this model layout (several ranks or split KV)")
+            logger.info("CUDA graphs: not for this model layout (DP attention, EP or split KV)")
             return None
         page = pool.pages.alloc(1)  # the padded rows' scratch slot lives on this page
         if page is None:
@@ -195,7 +201,7 @@ class CudaGraphRunner:
         return out[:rows].clone()
 
     def _run(self, bucket: Bucket) -> torch.Tensor:
-        with forward_context(self.inputs.batch(bucket, self.pool, self.kernels)):
+        with installed(self.inputs.batch(bucket, self.pool, self.kernels)):
             return self.forward()
 
     def _capture(self, bucket: Bucket) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

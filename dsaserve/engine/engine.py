@@ -34,7 +34,7 @@ from dsaserve.engine.sampler import Sampler, SamplingState
 from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from dsaserve.engine.shard import Shard, build_shard
 from dsaserve.engine.speculative import SpecDecoder
-from dsaserve.engine.startup import default_threads, generation_defaults, pick_device
+from dsaserve.engine.startup import default_threads, generation_defaults, max_running, pick_device
 from dsaserve.kernels.kv_quant import kv_dtype_name
 from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.sampling_params import SamplingParams
@@ -105,16 +105,21 @@ class Engine:
         """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
         cfg, args, mtp, page_size = self.model_config, self.args, self.with_mtp, self.pool.page_size
         stored = self.pool.index_cache.dtype  # the pool's storage dtype (uint8: FP8)
-        speculative = mtp or self.drafter is not None
-        default_running = 48 if speculative else (256 if self.device.type == "cuda" else 64)
-        running = args.max_running_requests or default_running  # 48: SGLang's with speculation
+        running = max_running(args, mtp or self.drafter is not None, self.device)
         drafts = block_size(self.dflash, self.drafter) - 1 if self.drafter else self.spec_steps
         taps = self.drafter.config.target_layer_ids if self.drafter else ()
-        self.graphs = None  # CUDA-graph decode (engine/cuda_graph.py); takes one scratch page
-        if self.parallel.world == 1:
-            self.graphs = CudaGraphRunner.build(self.model, self.pool, self.kernels,
+        # CUDA-graph decode (engine/cuda_graph.py; takes one scratch page). With ranks every
+        # rank replays its own in the FORWARD rounds (followers: runtime/follower.py), so the
+        # ModelRunner here keeps none; not with a DFLASH drafter (its taps are the leader's).
+        ranks = self.parallel.world > 1
+        self.graphs = None
+        if not ranks or self.drafter is None:
+            model = self.model.runner.model if ranks else self.model
+            self.graphs = CudaGraphRunner.build(model, self.pool, self.kernels,
                                                 args.cuda_graph_max_bs, running, drafts,
                                                 args.disable_cuda_graph, taps)  # fmt: skip
+        if ranks:
+            self.model.runner.graphs = self.graphs
         reserved = page_size if self.graphs is not None else 0
         # Why the reserve: a verify run computes drafts + 1 tokens past the last kept one.
         context = min(args.context_length or cfg.context_length,
@@ -132,7 +137,7 @@ class Engine:
         step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native,
                                 cache_dtype=stored)  # fmt: skip
         self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
-                                  self.graphs)  # fmt: skip
+                                  None if ranks else self.graphs)  # fmt: skip
         self.spec = None
         if mtp:
             share = cfg.index_share_for_mtp_iteration

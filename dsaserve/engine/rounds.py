@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
+from dsaserve.engine.cuda_graph import CudaGraphRunner
 from dsaserve.engine.hicache_moves import TierMoves
 from dsaserve.engine.round_payload import (
     Op,
@@ -30,7 +31,7 @@ from dsaserve.engine.round_payload import (
     unpack,
     write_entries,
 )
-from dsaserve.layers.forward_batch import current_batch, forward_context, swapped_batch
+from dsaserve.layers.forward_batch import ForwardBatch, current_batch, installed
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
@@ -53,6 +54,7 @@ class RankRunner:
         # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
         self.dtype = model.model.embed_tokens.weight.dtype
         self.tiers: TierMoves | None = None  # this rank's HiCache tiers (HICACHE ops)
+        self.graphs: CudaGraphRunner | None = None  # this rank's decode graphs (FORWARD ops)
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -154,14 +156,23 @@ class RankRunner:
             if inputs.moves is not None and not self.parallel.is_leader:
                 write_entries(self.kv_cache, self.index_cache, inputs.moves)
             return None
-        with _installed(inputs.batch):
-            if inputs.op == Op.FORWARD:
-                return model(inputs.taps)
-            if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
-                hidden = model()
-                with self.parallel.rows(logits_rows):
-                    return model.logits(hidden[inputs.batch.logits_rows])
+        if inputs.op == Op.FORWARD:
+            return self._forward(inputs.batch, inputs.taps)
+        if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
+            hidden = self._forward(inputs.batch)
+            with self.parallel.rows(logits_rows), installed(inputs.batch):
+                return model.logits(hidden[inputs.batch.logits_rows])
+        with installed(inputs.batch):
             return model.forward_mtp(inputs.hidden, inputs.reuse)
+
+    def _forward(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        """The model over `batch`: this rank's CUDA graph where one fits (every rank of the
+        group has the same batch, so all replay the same bucket), else the layered model."""
+        graphs = self.graphs
+        if graphs is not None and graphs.taps == taps and graphs.accepts(batch):
+            return graphs(batch)
+        with installed(batch):
+            return self.model(taps)
 
     def follow(self) -> None:
         """A non-leader rank's loop: join every round until STOP."""
@@ -170,15 +181,6 @@ class RankRunner:
                 self.round(None)
         except Stopped:
             return
-
-
-def _installed(batch):
-    """Install `batch`, replacing the leader's own installed batch while another op runs."""
-    try:
-        current_batch()
-    except RuntimeError:
-        return forward_context(batch)
-    return swapped_batch(batch)
 
 
 class DistributedModel:

@@ -55,6 +55,12 @@ def pick_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dt
     return dtype
 
 
+def max_running(args: ServerArgs, speculative: bool, device: torch.device) -> int:
+    """`--max-running-requests`, else 48 with speculation (SGLang's), 256 on CUDA, 64 on CPU."""
+    default = 48 if speculative else (256 if device.type == "cuda" else 64)
+    return args.max_running_requests or default
+
+
 def tokens_from_memory(args: ServerArgs, per_token: int, device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -73,6 +74,12 @@ def current_batch() -> ForwardBatch:
     if not _current:
         raise RuntimeError("no forward batch installed: call the model inside forward_context()")
     return _current[0]
+
+
+def installed(batch: ForwardBatch) -> Any:
+    """Install `batch`: the context of a forward, or, inside one (a group leader waiting in its
+    own forward for its turn in the rank rounds), in place of the batch installed there."""
+    return swapped_batch(batch) if _current else forward_context(batch)
 
 
 @contextmanager
