@@ -1,9 +1,10 @@
 """Disaggregation failures behind the real sglang-router: a broken transfer engine, a client that
 disconnects, kill -9 of a prefill rank mid-transfer and mid-decode, a decode restart. Each ends in
 an error in the API's shape (never a hang), both sides' KV back to idle, and new requests served.
-The prefill runs `--tp 2`: its first rank (the engine process) writes every page, so the rank
-killed mid-transfer is that one; its other rank must follow it out, and no process or
-shared-memory file of the prefill's is left."""
+The prefill runs `--tp 2 --dp 2 --enable-dp-attention`: room r is prefilled and written by group
+r % 2's leader, rank 0 (the engine process) for even rooms, rank 1 (its child) for odd ones; the
+kill mid-transfer kills the room's writer, once each: the other rank must follow it out, and no
+process or shared-memory file of the prefill's is left."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from server_harness import Server, _wait_ready, children, group_members
 pytestmark = [requires_router, requires_nixl]
 HEARTBEAT = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-timeout", "10"]
 MESSAGES = [{"role": "user", "content": "Describe a quiet morning in a small mountain village."}]
-LAYOUT = {"prefill": ["--tp", "2"], "decode": []}
+LAYOUT = {"prefill": ["--tp", "2", "--dp", "2", "--enable-dp-attention"], "decode": []}
 
 
 class Cluster:
@@ -141,7 +142,8 @@ def _direct(cluster: Cluster, role: str, room: int, answers: dict) -> None:
         answers[role] = e
 
 
-def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
+@pytest.mark.parametrize("group", [0, 1], ids=["rank0-writes", "rank1-writes"])
+def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster, group: int) -> None:
     stream = _client(cluster).chat.completions.create(
         model="m", messages=MESSAGES, max_tokens=300, temperature=0, stream=True,
         extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
@@ -149,15 +151,18 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster) -> None:
     first = next(iter(stream))  # decoding: its KV already moved
     cluster.fault("delay:6")
     answers: dict = {}
-    room = 2**62 + 12345
+    room = 2**62 + 12344 + group  # prefilled by attention group room % 2
     senders = [threading.Thread(target=_direct, args=(cluster, role, room, answers))
                for role in ("prefill", "decode")]  # fmt: skip
     for t in senders:
         t.start()
     wait_for(lambda: stats(cluster.url("decode"))["pd_rooms_active"] == 1, 30, "a room")
+    groups = stats(cluster.url("prefill"))["dp_groups"]
+    assert [g["pd_rooms_active"] for g in groups] == [int(group == 0), int(group == 1)]
     info = httpx.get(cluster.url("prefill") + "/get_server_info", timeout=30).json()
-    writer, follower = info["engine_pid"], children(info["engine_pid"])
-    assert follower, "the --tp 2 prefill's second rank"
+    ranks = [info["engine_pid"], *children(info["engine_pid"])]
+    assert len(ranks) == 2, "the prefill's two ranks, one group leader each"
+    writer, follower = ranks[group], [ranks[1 - group]]
     shm_before = set(os.listdir("/dev/shm"))
     time.sleep(1.5)  # the prefill is now between the KV write and the aux write
     os.kill(writer, signal.SIGKILL)  # the rank that writes the room's pages
