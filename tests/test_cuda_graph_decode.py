@@ -11,8 +11,13 @@ one. The `gpu` tests capture and replay real graphs and skip without CUDA.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
 import pytest
 import torch
+from server_harness import running_server
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
 from triton_env import gpu, needs_triton
@@ -61,9 +66,9 @@ def forced_graphs(monkeypatch):
     steps: list[int] = []
     original = CudaGraphRunner.__call__
 
-    def spy(self: CudaGraphRunner, batch: ForwardBatch) -> torch.Tensor:
+    def spy(self: CudaGraphRunner, batch: ForwardBatch, bucket=None) -> torch.Tensor:
         before = self.pool.kv_cache.clone(), self.pool.index_cache.clone()
-        out = original(self, batch)
+        out = original(self, batch, bucket)
         after = self.pool.kv_cache, self.pool.index_cache
         changed = set()
         for old, new in zip(before, after):
@@ -71,7 +76,7 @@ def forced_graphs(monkeypatch):
         allowed = set(batch.out_slots.tolist()) | {self.inputs.scratch}
         assert changed <= allowed, changed - allowed
         rows = batch.input_ids.shape[0]
-        steps.append((rows, self.bucket(batch).rows - rows))  # (rows, padded rows)
+        steps.append((rows, (bucket or self.bucket(batch)).rows - rows))  # (rows, padded rows)
         return out
 
     monkeypatch.setattr(CudaGraphRunner, "__call__", spy)
@@ -245,6 +250,44 @@ def test_tp2_every_rank_replays_the_same_bucket(tmp_path, monkeypatch, forced_gr
     assert max(rows for rows, _ in forced_graphs) > len(prompts)  # verify rows
     assert max(padded for _, padded in forced_graphs) >= 1
     _assert_same(want, got)
+
+
+def test_dp_attention_groups_replay_one_common_bucket(tmp_path):
+    """`--tp 2 --dp 2 --enable-dp-attention`, EAGLE on, requests on both groups at once, then
+    one long request alone, through the openai SDK: every forward's groups replay the bucket of
+    the largest group's rows and the widest context (the group without rows over padding), so
+    the MLP's gather over the groups has the graphs' shapes on every rank (other sizes fail in
+    the shared-memory collectives). The tokens and logprobs equal the same layout without
+    graphs; both groups ran their graphs."""
+    folder = make_mtp_checkpoint(tmp_path / "ckpt", "glm", 0,
+                                 indexer_types=["full", "shared", "full"])  # fmt: skip
+    prompts = [*_prompts(0), _prompts(1)[2]]
+    flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--dtype", "float32",
+             "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2",
+             "--page-size", "4", "--max-total-tokens", "2048"]  # fmt: skip
+    runs = {}
+    for graphs in (False, True):
+        env = {"DSASERVE_GRAPH_DEVICES": "cuda,cpu" if graphs else "cuda"}
+        with running_server(folder, *flags, env=env) as server:
+            client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
+            lengths = [NEW_TOKENS] + [4] * (len(prompts) - 1)  # then one group decodes alone
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                runs[graphs] = list(pool.map(_complete, [client] * len(prompts), prompts,
+                                             lengths))  # fmt: skip
+            info = httpx.get(server.url + "/get_server_info", timeout=60).json()
+            groups = info["internal_states"][0]["dp_groups"]
+        steps = [(g["cuda_graph"] or {}).get("steps", 0) for g in groups]
+        assert all(n > 0 for n in steps) if graphs else steps == [0, 0], steps
+    for (tokens, lps), (want_tokens, want_lps) in zip(runs[True], runs[False]):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-5
+
+
+def _complete(client: openai.OpenAI, prompt: list[int], new: int) -> tuple[list[str], list[float]]:
+    out = client.completions.create(model="m", prompt=prompt, max_tokens=new,
+                                    temperature=0, logprobs=1,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    return out.choices[0].logprobs.tokens, out.choices[0].logprobs.token_logprobs
 
 
 def test_static_decode_refuses_split_models(tmp_path) -> None:

@@ -146,14 +146,14 @@ class CudaGraphRunner:
               running: int, spec_steps: int, disabled: bool,
               taps: tuple[int, ...] = ()) -> CudaGraphRunner | None:  # fmt: skip
         """The runner for this rank, or None: disabled, not CUDA, or a model / pool the static
-        forward does not cover (DP attention, expert parallel, a layer-split cache). Every rank
-        of a `--tp N` engine builds its own over its shard and its pool, whose first page (a
-        fresh pool's, the same on every rank) holds the scratch slot."""
+        forward does not cover (expert parallel, a layer-split cache). With ranks every rank
+        builds its own over its shard and its pool, whose first page (a fresh pool's, the same
+        on every rank) holds the scratch slot."""
         device = pool.index_cache.device
         if disabled or device.type not in GRAPH_DEVICES:
             return None
         if not isinstance(pool.kv_cache, torch.Tensor) or not StaticDecode.supports(model):
-            logger.info("CUDA graphs: not for this model layout (DP attention, EP or split KV)")
+            logger.info("CUDA graphs: not for this model layout (expert parallel or split KV)")
             return None
         page = pool.pages.alloc(1)  # the padded rows' scratch slot lives on this page
         if page is None:
@@ -177,15 +177,24 @@ class CudaGraphRunner:
     def accepts(self, batch: ForwardBatch) -> bool:
         return self.bucket(batch) is not None
 
+    def common_bucket(self, rows: int, context: int) -> Bucket | None:
+        """The bucket every attention group replays together under DP attention: rows for the
+        largest group's, the widest group's context bucket (None: it does not fit)."""
+        picked = _pick(self.rows, rows)
+        if picked is None or picked * context > self.inputs.slots.shape[0]:
+            return None
+        return Bucket(picked, context)
+
     def stats(self) -> dict:
         """For /get_server_info: the largest bucket, graphs captured, steps run through them."""
         return {"max_rows": self.rows[-1], "max_context": self.contexts[-1],
                 "captured": len(self.graphs), "steps": self.steps}  # fmt: skip
 
-    def __call__(self, batch: ForwardBatch) -> torch.Tensor:
+    def __call__(self, batch: ForwardBatch, bucket: Bucket | None = None) -> torch.Tensor:
         """Hidden states [T, H] of the batch's rows (a copy: the graph's output is reused);
-        with taps, [T, H * (1 + len(taps))] as `StaticDecode.forward`."""
-        bucket = self.bucket(batch)
+        with taps, [T, H * (1 + len(taps))] as `StaticDecode.forward`. `bucket`: the one the
+        rank rounds agreed on (DP attention; a group with no rows replays padding only)."""
+        bucket = bucket or self.bucket(batch)
         if bucket is None:
             raise ValueError("this batch fits no CUDA-graph bucket; check accepts() first")
         rows = batch.input_ids.shape[0]

@@ -1,11 +1,15 @@
 """Lock-step model ops across ranks: every rank calls `round()` the same number of times.
 
-One round: every rank all-gathers a 5-int header (the group leaders put their pending op, its
-rows, its buffer sizes and, for FORWARD_LOGITS, its logits rows; other ranks zeros). One op kind
+One round: every rank all-gathers a 6-int header (the group leaders put their pending op, its
+rows, its buffer sizes, for FORWARD_LOGITS its logits rows, and for a forward a CUDA graph can
+run its context bucket; other ranks zeros). One op kind
 is chosen (the first pending one, scanning from a group that rotates every round, so no group
 starves); every group that wants that kind runs it, its leader broadcasting the inputs
 (`payload`) to its attention-TP group; all other groups join with no tokens, so the MoE/MLP and
-LM-head collectives, which span every rank, always match. A round where nobody has work is a
+LM-head collectives, which span every rank, always match. A forward runs through every rank's
+CUDA graphs (engine/cuda_graph.py) when every running group's fits one: all ranks replay the
+bucket of the largest group's rows and the widest context, the groups without rows over padding,
+so the collectives captured in the graphs match too. A round where nobody has work is a
 heartbeat. STOP ends every rank's loop.
 
 `DistributedModel` is the leader's stand-in for the model (same calls as DsaMoeForCausalLM), so
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.cuda_graph import CudaGraphRunner
+from dsaserve.engine.cuda_graph import Bucket, CudaGraphRunner
 from dsaserve.engine.hicache_moves import TierMoves
 from dsaserve.engine.round_payload import (
     Op,
@@ -34,6 +38,8 @@ from dsaserve.engine.round_payload import (
 from dsaserve.layers.forward_batch import ForwardBatch, current_batch, installed
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
+
+HEADER = 6  # op, rows, int and float payload sizes, logits rows, CUDA-graph context bucket
 
 
 class Stopped(Exception):
@@ -65,10 +71,11 @@ class RankRunner:
         idle leader."""
         p, sizes = self.parallel, self.parallel.sizes
         buffers = pack(mine) if mine is not None else None
-        header = torch.zeros(5, dtype=torch.long)
+        header = torch.zeros(HEADER, dtype=torch.long)
         if mine is not None:
             header[:] = torch.tensor([int(mine.op), mine.rows, buffers[0].numel(),
-                                      buffers[1].numel(), mine.logits_rows])  # fmt: skip
+                                      buffers[1].numel(), mine.logits_rows,
+                                      self._graph_context(mine)])  # fmt: skip
         table = self._gather_headers(header)
         leaders = [table[sizes.leader(g)] for g in range(sizes.groups)]
         ops = [int(row[0]) for row in leaders]
@@ -83,16 +90,28 @@ class RankRunner:
             return False, None
         rows = [int(row[1]) if op == chosen else 0 for row, op in zip(leaders, ops)]
         logits_rows = [int(row[4]) if op == chosen else 0 for row, op in zip(leaders, ops)]
+        contexts = [int(row[5]) for row, op in zip(leaders, ops) if op == chosen]
         runs = own_op == chosen
         inputs = self._inputs(chosen, runs, mine, buffers, leaders[p.dp_rank])
+        bucket = None  # every rank derives the same one from the same headers
+        if self.graphs is not None and min(contexts) > 0:
+            bucket = self.graphs.common_bucket(max(rows), max(contexts))
         with p.rows(rows):
-            result = self._execute(inputs, logits_rows)
+            result = self._execute(inputs, logits_rows, bucket)
         return runs and mine is not None, result
+
+    def _graph_context(self, mine: OpInputs) -> int:
+        """The context bucket of a forward a CUDA graph can run (0: it runs eagerly)."""
+        graphs = self.graphs
+        if graphs is None or mine.op not in (Op.FORWARD, Op.FORWARD_LOGITS):
+            return 0
+        bucket = graphs.bucket(mine.batch) if graphs.taps == mine.taps else None
+        return bucket.context if bucket is not None else 0
 
     def stop(self) -> None:
         if not self.stopped:
             self.stopped = True
-            self._gather_headers(torch.tensor([int(Op.STOP), 0, 0, 0, 0]))
+            self._gather_headers(torch.tensor([int(Op.STOP)] + [0] * (HEADER - 1)))
 
     def _gather_headers(self, header: torch.Tensor) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -142,7 +161,7 @@ class RankRunner:
         else:
             torch.distributed.broadcast(x, p.sizes.leader(p.dp_rank), group=p.attn_cpu_group)
 
-    def _execute(self, inputs: OpInputs, logits_rows: list[int]) -> Any:
+    def _execute(self, inputs: OpInputs, logits_rows: list[int], bucket: Bucket | None) -> Any:
         model = self.model
         if inputs.op == Op.LOGITS:
             return model.logits(inputs.hidden)
@@ -157,20 +176,22 @@ class RankRunner:
                 write_entries(self.kv_cache, self.index_cache, inputs.moves)
             return None
         if inputs.op == Op.FORWARD:
-            return self._forward(inputs.batch, inputs.taps)
+            return self._forward(inputs.batch, bucket, inputs.taps)
         if inputs.op == Op.FORWARD_LOGITS:  # DP attention gathers each group's logits rows
-            hidden = self._forward(inputs.batch)
+            hidden = self._forward(inputs.batch, bucket)
             with self.parallel.rows(logits_rows), installed(inputs.batch):
                 return model.logits(hidden[inputs.batch.logits_rows])
         with installed(inputs.batch):
             return model.forward_mtp(inputs.hidden, inputs.reuse)
 
-    def _forward(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
-        """The model over `batch`: this rank's CUDA graph where one fits (every rank of the
-        group has the same batch, so all replay the same bucket), else the layered model."""
-        graphs = self.graphs
-        if graphs is not None and graphs.taps == taps and graphs.accepts(batch):
-            return graphs(batch)
+    def _forward(self, batch: ForwardBatch, bucket: Bucket | None,
+                 taps: tuple[int, ...] = ()) -> torch.Tensor:  # fmt: skip
+        """The model over `batch`: this rank's CUDA graph of `bucket`, which every rank replays
+        in this round (a group without rows over padding only: every group's rows are padded to
+        the bucket, so the MLP's gather has the graph's shapes), else the layered model."""
+        if bucket is not None:
+            with self.parallel.rows([bucket.rows] * self.parallel.sizes.groups):
+                return self.graphs(batch, bucket)
         with installed(batch):
             return self.model(taps)
 

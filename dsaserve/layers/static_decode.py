@@ -20,10 +20,11 @@ one part swapped:
 The layers are called as modules, so FP8 Linears (`Fp8Linear`), bf16 and fp32 weights, an FP8
 KV cache and every kernel backend work unchanged. Under `--tp N` each rank runs it over its
 shard (heads, vocab and every expert's slice), its collectives the layers' own device
-all-reduces (NCCL, which a graph captures; shared memory on CPU); the rank rounds that agree on
-the batch stay outside, on the host (engine/rounds.py). Not with DP attention (the groups' row
-counts differ), EP (the local experts are picked on the host) or a context-parallel or
-layer-split cache.
+all-reduces and all-gathers (NCCL, which a graph captures; shared memory on CPU); the rank rounds
+that agree on the batch and the bucket stay outside, on the host (engine/rounds.py). Under DP
+attention every group replays the same bucket (the largest group's rows, the widest context),
+so the MLP's gather over the groups has static shapes. Not with EP (the local experts are picked
+on the host) or a context-parallel or layer-split cache.
 tests/test_static_decode.py runs it with every tensor on the `meta` device, where any host read
 of a value raises, and checks that the layered and the fused decode paths do raise there.
 """
@@ -48,16 +49,14 @@ class StaticDecode:
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """One attention group (no DP attention), every expert local (no EP), no
-        context-parallel attention."""
+        """Every expert local (no EP), no context-parallel attention."""
         layers = model.model.layers[: model.config.num_hidden_layers]
         local = all(
             not isinstance(layer.mlp, MoE)
             or layer.mlp.experts.gate_up_proj.shape[0] == layer.mlp.experts.num_experts
             for layer in layers
         )
-        one_group = model.parallel.sizes.groups == 1
-        return one_group and local and all(x.self_attn.cp is None for x in layers)
+        return local and all(x.self_attn.cp is None for x in layers)
 
     @torch.inference_mode()
     def forward(self) -> torch.Tensor:
@@ -71,12 +70,16 @@ class StaticDecode:
         for i, layer in enumerate(self.layers):
             attn, selection = layer.self_attn(layer.input_layernorm(x), cos, sin, selection)
             x = x + attn
-            x = x + model.parallel.all_reduce_world(
-                self._ffn(layer.mlp, layer.post_attention_layernorm(x))
-            )  # --tp N: each rank's part of the MLP (DecoderLayer._mlp)
+            x = x + self._mlp(layer.mlp, layer.post_attention_layernorm(x))
             if i in self.taps:
                 outputs[i] = x
         return join_taps(model.model.norm(x), outputs, self.taps, len(self.layers) - 1)
+
+    def _mlp(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """As `DecoderLayer._mlp`: over every attention group's rows (each padded to the bucket
+        the groups share), each rank's part summed over all ranks."""
+        p = self.model.parallel
+        return p.own_rows(p.all_reduce_world(self._ffn(mlp, p.gather_groups(h))))
 
     @staticmethod
     def _ffn(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
