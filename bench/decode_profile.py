@@ -22,6 +22,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -37,18 +38,20 @@ MODES = {"layered": {"disable_fused_decode": True}, "fused": {"disable_native_de
          "native": {}, "fused+compile": {"enable_torch_compile": True}}  # fmt: skip
 
 
-def decode(engine: Engine, prompt: list[int], steps: int, rid: str, forward_ms: list[float]):
-    """Step times [ms] of the decode steps (after the first token) of one request."""
+def decode(engine: Engine, prompt: list[int], steps: int, rid: str, watch=nullcontext):
+    """Step times [ms] of the decode steps (after the first token) of one request; `watch()`
+    is entered around those steps only (the profiler: a 16k prefill under it fills the RAM)."""
     sampling = {"max_tokens": steps + 1, "temperature": 0.0, "ignore_eos": True}
     engine.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling=sampling, stream=False))
     req = engine.reqs[rid]
     while not req.output_ids:
         engine.step()
     times = []
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        times.append(1e3 * (time.perf_counter() - start))
+    with watch():
+        while engine.has_work():
+            start = time.perf_counter()
+            engine.step()
+            times.append(1e3 * (time.perf_counter() - start))
     return times
 
 
@@ -87,17 +90,17 @@ def profile_mode(name: str, args: argparse.Namespace, prompt: list[int]) -> dict
     )
     engine = Engine(server_args, show_progress=False)
     forward_ms: list[float] = []
-    decode(engine, prompt, args.steps, f"{name}-warm", forward_ms)
+    decode(engine, prompt, args.steps, f"{name}-warm")
     timed_runner(engine, forward_ms)
-    steps = decode(engine, prompt, args.steps, f"{name}-timed", forward_ms)
+    steps = decode(engine, prompt, args.steps, f"{name}-timed")
     forwards = forward_ms[-len(steps) :]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decode(engine, prompt, args.steps, f"{name}-prof", [])
+    prof = profile(activities=[ProfilerActivity.CPU])
+    profiled = decode(engine, prompt, args.steps, f"{name}-prof", lambda: prof)
     counts = Counter()
     for event in prof.key_averages():
         if event.key.startswith("aten::"):
             counts[event.key] += event.count
-    ops = sum(counts.values()) / (args.steps + 1)
+    ops = sum(counts.values()) / len(profiled)  # the decode steps' own (no prefill)
     row = {"mode": name, "step_ms": statistics.median(steps),
            "forward_ms": statistics.median(forwards), "aten_ops_per_step": ops,
            "top_ops": counts.most_common(12)}  # fmt: skip
