@@ -6,7 +6,7 @@ The NIXL prefill runs `--tp 2` (its first rank writes every page); its decodes r
 `--tp 2` (the first rank copies what it received to the other: KV_SHARE) and `--tp 2 --dp 2
 --enable-dp-attention`; the Mooncake prefill runs `--tp 2 --dp 2 --enable-dp-attention` (room r
 prefilled by attention group r % 2, each group writing from its own pool) into a `--tp 2`
-decode. The PD roles hold a cluster secret:
+decode and into a DP-attention one. The PD roles hold a cluster secret:
 their bootstrap routes and ZMQ frames are authenticated."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def mooncake_available() -> bool:
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated; a `--tp 2` prefill with three decodes (NIXL): `--tp 1`, `--tp 2` and
     `--tp 2 --dp 2 --enable-dp-attention`; and (where Mooncake imports) a DP-attention prefill
-    into a `--tp 2` decode."""
+    with a `--tp 2` and a DP-attention decode."""
     port, mooncake_port = free_port(), free_port()
     names = ["colocated", "prefill", "decode", "decode2", "dpa_decode"]
     specs = [
@@ -73,8 +73,8 @@ def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
         (checkpoint, EAGLE + pd_flags("decode", port, *DPA), SECRET),
     ]
     if mooncake_available():
-        names += ["mooncake_prefill", "mooncake_decode"]
-        for role, layout in (("prefill", DPA), ("decode", ["--tp", "2"])):
+        names += ["mooncake_prefill", "mooncake_decode", "mooncake_dpa_decode"]
+        for role, layout in (("prefill", DPA), ("decode", ["--tp", "2"]), ("decode", DPA)):
             flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
             specs.append((checkpoint, EAGLE + flags + layout, SECRET))
     with running_servers(specs) as started:
@@ -142,6 +142,15 @@ def _generate(base: str, prompt: str) -> list[int]:
     return native["output_ids"]
 
 
+def _prefix(servers: dict, backend: str) -> str:
+    """The servers' name prefix of a transfer backend's pair."""
+    prefix = "" if backend == "nixl" else "mooncake_"
+    if prefix + "prefill" not in servers:
+        pytest.skip("Mooncake does not import here (pip install mooncake-transfer-engine-non-cuda "
+                    "with libibverbs1 libnl-3-200 libnl-route-3-200)")  # fmt: skip
+    return prefix
+
+
 def _layers_per_room(checkpoint: Path) -> int:
     config = ModelConfig.from_hf(str(checkpoint), {})
     return config.num_hidden_layers + 1 + len(index_cache_ids(config, True))  # + the MTP layer
@@ -151,10 +160,7 @@ def _layers_per_room(checkpoint: Path) -> int:
 def test_one_prefill_one_decode_matches_colocated(
     servers: dict, expected: list, checkpoint: Path, backend: str
 ) -> None:
-    prefix = "" if backend == "nixl" else "mooncake_"
-    if prefix + "prefill" not in servers:
-        pytest.skip("Mooncake does not import here (pip install mooncake-transfer-engine-non-cuda "
-                    "with libibverbs1 libnl-3-200 libnl-route-3-200)")  # fmt: skip
+    prefix = _prefix(servers, backend)
     prefill, decode = servers[prefix + "prefill"], servers[prefix + "decode"]
     before = stats(decode.url)
     assert before["pd_transfer_backend"] == backend
@@ -190,16 +196,19 @@ def _until_every_group_served(router_flags: list[str], prefill: Server) -> None:
     assert stats(prefill.url)["pd_rooms_failed"] == 0
 
 
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_a_tp2_prefill_into_a_dp_attention_decode_behind_the_router(
-    servers: dict, expected: list, checkpoint: Path
+    servers: dict, expected: list, checkpoint: Path, backend: str
 ) -> None:
     """The `--tp 2` prefill into a `--tp 2 --dp 2 --enable-dp-attention` decode (each attention
-    group its own decode role, receiving its rooms' KV) over NIXL: the same answers, every
-    layer's checksum matching, both groups served rooms."""
-    prefill, decode = servers["prefill"], servers["dpa_decode"]
+    group its own decode role, receiving its rooms' KV): the same answers, every layer's
+    checksum matching, both groups served rooms. Over Mooncake the prefill is under DP
+    attention too (each room from its group r % 2 to the decode group that holds it)."""
+    prefix = _prefix(servers, backend)
+    prefill, decode = servers[prefix + "prefill"], servers[prefix + "dpa_decode"]
     before = stats(decode.url)
-    flags = ["--pd-disaggregation", "--prefill", prefill.url, str(servers["bootstrap_port"]),
-             "--decode", decode.url]  # fmt: skip
+    flags = ["--pd-disaggregation", "--prefill", prefill.url,
+             str(servers[prefix + "bootstrap_port"]), "--decode", decode.url]  # fmt: skip
     with running_router(*flags) as router:
         assert _answers(router.url, quick=True) == [expected[i] for i in QUICK]
     after = stats(decode.url)
