@@ -1,9 +1,9 @@
 """sglang-router and PD servers for the disaggregation tests.
 
 `running_router` starts the real `sglang_router.launch_router` (its own process group, both host
-flags bound to loopback, free ports) and waits until it serves `/v1/models`; `pd_flags` are the
-flags of one prefill or decode `dsaserve serve`. NIXL moves CPU memory over UCX's TCP and
-shared-memory transports here (`PD_ENV`).
+flags bound to loopback, free ports) and waits until it lists every worker healthy; `pd_flags`
+are the flags of one prefill or decode `dsaserve serve`. NIXL moves CPU memory over UCX's TCP
+and shared-memory transports here (`PD_ENV`).
 """
 
 from __future__ import annotations
@@ -96,23 +96,27 @@ def running_router(*flags: str) -> Iterator[Server]:
     router = Server(f"http://127.0.0.1:{port}", process)
     threading.Thread(target=lambda: router.log.extend(process.stdout), daemon=True).start()
     try:
-        _wait_router(router)
+        _wait_router(router, sum(flag.startswith("http") for flag in flags))
         yield router
     finally:
         stop_group(process)
 
 
-def _wait_router(router: Server) -> None:
-    deadline = time.monotonic() + ROUTER_START_S
+def _wait_router(router: Server, workers: int) -> None:
+    """Until the router lists all `workers` as healthy: it adds them by background jobs, so
+    `/v1/models` answers once the first is in, and on a loaded machine a request sent then
+    finds no prefill worker yet (503 "No prefill workers available")."""
+    deadline, listed = time.monotonic() + ROUTER_START_S, None
     while time.monotonic() < deadline:
         if router.process.poll() is not None:
             break
         with contextlib.suppress(httpx.HTTPError, ValueError):
-            models = httpx.get(router.url + "/v1/models", timeout=2).json()
-            if models.get("data"):
+            listed = httpx.get(router.url + "/workers", timeout=2).json()["workers"]
+            if sum(w.get("is_healthy", False) for w in listed) >= workers:
                 return
         time.sleep(0.2)
-    raise RuntimeError("router did not start:\n" + "".join(router.log[-50:]))
+    raise RuntimeError(f"router did not list {workers} healthy workers ({listed}):\n"
+                       + "".join(router.log[-50:]))  # fmt: skip
 
 
 def stats(url: str) -> dict:
