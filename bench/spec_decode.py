@@ -18,6 +18,7 @@ generated token over the waves' wall time (prefill included). Every mode runs in
 each repeat, so machine drift hits them alike; outputs are checked token for token against `off`.
 """
 
+# ruff: noqa: E402 (torch is imported after GOMP_SPINCOUNT is set)
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,10 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from dsaserve.runtime.omp import limit_omp_spinning
+
+limit_omp_spinning()  # before torch is imported, as the server's engine processes (runtime/omp.py)
 
 import torch
 from transformers import AutoTokenizer

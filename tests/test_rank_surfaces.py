@@ -9,6 +9,9 @@
 - a stopped rank is not healthy (item 4): with the watchdog far away (120 s), SIGSTOP of rank 1,
   then of the engine process (rank 0), turns `/health` 503 within 5 s, naming the rank; SIGCONT
   brings 200 back and the server still answers; nothing outlives it.
+
+And the engine process and rank 1 run with `GOMP_SPINCOUNT` set (runtime/omp.py) although the
+server was started without one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from tiny_models import make_checkpoint
 from dsaserve import process_tree
 from dsaserve.distributed.rendezvous import Endpoint, rendezvous_store
 from dsaserve.runtime.heartbeat import Heartbeats, start_beating
+from dsaserve.runtime.omp import SPINCOUNT
 
 PROMPT = [(7 * i + 3) % 300 + 1 for i in range(40)]
 
@@ -41,12 +45,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("heartbeat") / "ckpt", "glm", seed=5)
 
 
-def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(checkpoint: Path) -> None:
+def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     flags = ["--dtype", "float32", "--tp", "2", "--watchdog-timeout", "120"]
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)  # this process's LLM tests set it
     with running_server(checkpoint, *flags) as server:
         info = httpx.get(server.url + "/get_server_info", timeout=30).json()
         engine = info["engine_pid"]
         (rank1,) = [p.pid for p in process_tree.descendants(engine)]
+        assert "GOMP_SPINCOUNT" not in _environ(server.process.pid)
+        for pid in (engine, rank1):
+            assert _environ(pid).get("GOMP_SPINCOUNT") == SPINCOUNT, pid
         tree = [p.pid for p in process_tree.descendants(server.process.pid)]
         ports = listening([engine, rank1])
         assert ports and all(host == "127.0.0.1" for host, _ in ports), ports
@@ -76,6 +86,11 @@ def test_ranks_listen_on_loopback_and_a_stopped_rank_turns_health_503(checkpoint
     while any(alive(pid) for pid in tree):
         assert time.monotonic() < deadline, "a process outlived the server"
         time.sleep(0.2)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
 def _health(server) -> httpx.Response:

@@ -6,4 +6,5 @@
 - `ranks.py`: this node's rank processes (spawn, watch, stop); `rank_entry.py` is their `-m`.
 - `follower.py`: what a spawned rank runs (the rank loop over its shard, or a DP group's engine).
 - `node.py`: `dsaserve serve --node-rank N`: the ranks of another node.
+- `omp.py`: `GOMP_SPINCOUNT` for every process that will import torch (set before it does).
 """

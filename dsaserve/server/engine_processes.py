@@ -19,6 +19,7 @@ from dsaserve import process_tree
 from dsaserve.args import ServerArgs
 from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.runtime import ipc
+from dsaserve.runtime.omp import limit_omp_spinning
 
 ENGINE_STOP_TIMEOUT_S = 10.0
 WATCH_INTERVAL_S = 0.2
@@ -61,6 +62,7 @@ def start_engines(args: ServerArgs, paths: ipc.IpcPaths, factory: Any = None) ->
     from dsaserve.runtime.engine_process import run_engine_process
 
     context = multiprocessing.get_context("spawn")
+    limit_omp_spinning()  # the engines (and their ranks) import torch after this (runtime/omp.py)
     processes = []
     for replica in range(ParallelSizes.from_args(args).replicas):
         process = context.Process(
