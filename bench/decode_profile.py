@@ -13,6 +13,7 @@ bandwidth is the best of several passes of `torch.sum` over a 512 MiB buffer on 
 of threads, taken before and after the modes.
 """
 
+# ruff: noqa: E402 (torch is imported after GOMP_SPINCOUNT is set)
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,12 @@ from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
+from dsaserve.runtime.omp import limit_omp_spinning
+
+limit_omp_spinning()  # before torch is imported, as the server's engine processes (runtime/omp.py)
+
 import torch
-from step_bytes import step_bytes  # noqa: E402 (bench/ is the script's folder)
+from step_bytes import step_bytes  # (bench/ is the script's folder)
 from torch.profiler import ProfilerActivity, profile
 
 from dsaserve.args import ServerArgs

@@ -31,6 +31,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from dsaserve.runtime.omp import limit_omp_spinning
+
+PEER_ENV = dict(os.environ)  # llama.cpp (its ggml on OpenMP) runs with the environment it was given
+limit_omp_spinning()  # dsaserve's, before torch is imported (runtime/omp.py)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_setup as setup  # noqa: E402
 
@@ -133,7 +138,7 @@ class LlamaServer:
                "-c", str(ctx), "-b", "2048", "-ub", "512", "--no-warmup"]  # fmt: skip
         self.log = open(Path(gguf).parent / f"server-{self.port}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
+                                     env=PEER_ENV, start_new_session=True)  # fmt: skip
 
     def __enter__(self) -> LlamaServer:
         deadline = time.monotonic() + START_TIMEOUT_S

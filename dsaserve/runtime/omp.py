@@ -13,7 +13,9 @@ regions and let them sleep well before the next decode step.
 libgomp reads `GOMP_SPINCOUNT` once, when torch is first imported, so it is set in the
 environment before that: by the API process for the engine processes it spawns (and so their
 ranks), by `dsaserve.LLM` (for this process when torch is not imported yet, always for its
-ranks), and by `bench/spec_decode.py`. A value already in the environment is kept, and so is
+ranks), and by the benches that run the engine in-process (`bench/spec_decode.py`,
+`bench/llamacpp.py`, which starts llama.cpp with the environment it was given, and
+`bench/decode_profile.py`). A value already in the environment is kept, and so is
 `OMP_WAIT_POLICY` when set (libgomp's own choice then).
 """
 
