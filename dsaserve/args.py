@@ -70,7 +70,6 @@ class ServerArgs:
     max_sequences_per_request: int = 256
     responses_store_size: int = 1024
     header_timeout: float = 10.0
-    timeout_keep_alive: float = 120.0
     # memory and scheduling
     mem_fraction_static: float | None = None
     max_total_tokens: int | None = None
@@ -185,9 +184,8 @@ def _check(args: ServerArgs) -> None:
             raise ArgsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.responses_store_size < 0:
         raise ArgsError(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
-    for name in ("header_timeout", "timeout_keep_alive"):
-        if not getattr(args, name) > 0:
-            raise ArgsError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if not args.header_timeout > 0:
+        raise ArgsError(f"--header-timeout must be > 0, got {args.header_timeout}")
     if args.mem_fraction_static is not None and not 0 < args.mem_fraction_static < 1:
         raise ArgsError(f"--mem-fraction-static must be in (0, 1), got {args.mem_fraction_static}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size == 0:
@@ -332,7 +330,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--responses-store-size", type=int, help="most /v1/responses kept for store: true (LRU; "
       "0: none)")  # fmt: skip
     f("--header-timeout", type=float, help="seconds a client has to send its request headers")
-    f("--timeout-keep-alive", type=float, help="seconds an idle keep-alive connection is kept")
     f("--mem-fraction-static", type=float)
     f("--max-total-tokens", type=int)
     f("--page-size", type=int)

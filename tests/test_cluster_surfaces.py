@@ -154,46 +154,6 @@ def test_a_short_body_or_silent_client_is_cut_off(server: bootstrap.BootstrapSer
     assert not RankTable.ready(server.table)  # the half body registered nothing
 
 
-HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-
-
-def _answer(sock: socket.socket) -> bytes:
-    """Bytes up to the end of one /health answer (its body is "OK")."""
-    reply = b""
-    while not reply.endswith(b"\r\n\r\nOK") and (chunk := sock.recv(4096)):
-        reply += chunk
-    return reply
-
-
-def test_keep_alive_idles_past_the_header_timeout_and_ends_at_its_own() -> None:
-    """Idle after a response, a connection is timed by --timeout-keep-alive, not by
-    --header-timeout; the first byte of a next request starts the header clock again."""
-    running = bootstrap.BootstrapServer("127.0.0.1", 0, SECRET, header_timeout=0.5, keep_alive=3.0)
-    try:
-        with _connect(running.port) as idle:
-            idle.sendall(HEALTH)
-            assert _answer(idle).startswith(b"HTTP/1.1 200")
-            time.sleep(1.5)  # three header timeouts, half the keep-alive
-            idle.sendall(HEALTH)
-            assert _answer(idle).startswith(b"HTTP/1.1 200")
-            started = time.monotonic()
-            assert _closed_within(idle, 8.0)
-            assert 2.0 < time.monotonic() - started < 6.0  # the keep-alive, 3 s
-        with contextlib.ExitStack() as stack, _connect(running.port) as half:
-            half.sendall(HEALTH)
-            assert _answer(half).startswith(b"HTTP/1.1 200")
-            time.sleep(1.0)
-            half.sendall(b"GET /health HTTP/1.1\r\nHo")  # then nothing
-            pipelined = stack.enter_context(_connect(running.port))  # sent with the first
-            pipelined.sendall(HEALTH + b"GET /health HTTP/1.1\r\nHo")
-            started = time.monotonic()
-            assert _answer(pipelined).startswith(b"HTTP/1.1 200")
-            assert _closed_within(half, 8.0) and _closed_within(pipelined, 8.0)
-            assert time.monotonic() - started < 2.5  # the header timeout, not the keep-alive
-    finally:
-        running.close()
-
-
 def test_stalled_clients_are_capped_without_threads(server: bootstrap.BootstrapServer) -> None:
     threads = threading.active_count()
     stalled = [_connect(server.port) for _ in range(300)]

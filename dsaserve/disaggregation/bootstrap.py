@@ -30,7 +30,7 @@ import uvicorn
 from dsaserve.cluster.secret import bearer, bearer_ok
 from dsaserve.disaggregation.registry import RANK_KEYS, RankTable
 from dsaserve.server.errors import APIError
-from dsaserve.server.http_limits import KEEP_ALIVE_S, uvicorn_limits
+from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.json_limits import decode_json
 
 MAX_BODY_BYTES = 64 * 1024
@@ -41,22 +41,15 @@ START_TIMEOUT_S = 10.0
 class BootstrapServer:
     """The rank table behind a small HTTP server on its own thread."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        secret: str | None,
-        header_timeout: float,
-        keep_alive: float = KEEP_ALIVE_S,
-    ) -> None:
+    def __init__(self, host: str, port: int, secret: str | None, header_timeout: float) -> None:
         self.table = RankTable()
         self.secret = secret
         self.socket = socket.create_server((host, port), family=_family(host), backlog=128)
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(self._app, interface="asgi3", lifespan="off", log_level="error",
                                 access_log=False, proxy_headers=False,
-                                **uvicorn_limits(header_timeout, keep_alive,
-                                                 MAX_CONNECTIONS))  # fmt: skip
+                                timeout_keep_alive=5,
+                                **uvicorn_limits(header_timeout, MAX_CONNECTIONS))  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        daemon=True, name="pd-bootstrap")  # fmt: skip

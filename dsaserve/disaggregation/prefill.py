@@ -79,9 +79,8 @@ class PrefillEngine(RoleEngine):
         port = args.disaggregation_bootstrap_port
         self.server = None  # group 0's
         if group == 0:
-            self.server = bootstrap.BootstrapServer(
-                self.bind_host, port, self.secret, args.header_timeout, args.timeout_keep_alive
-            )
+            self.server = bootstrap.BootstrapServer(self.bind_host, port, self.secret,
+                                                    args.header_timeout)  # fmt: skip
             port = self.server.port
         wait = 0.0 if group == 0 else REGISTER_WAIT_S  # group 0's server may still be starting
         address = f"{self._bootstrap_host()}:{port}"

@@ -1,21 +1,13 @@
-"""uvicorn's h11 protocol with request deadlines, a long keep-alive and an optional connection cap.
+"""uvicorn's h11 protocol with request deadlines and an optional connection cap.
 
 uvicorn times out idle keep-alive connections but not a client that sends half a request line or
 half its headers (or nothing at all after connecting), nor one that declares a longer body than it
 sends: such a connection is held forever. Here every connection must complete its request headers
-within `--header-timeout` seconds of connecting (or of the first byte of a later request on a
-kept-alive connection), and while a body is arriving no `--header-timeout` may pass without a byte
-of it (time the server itself holds the body back, under flow control, does not count); otherwise
-the connection is closed. Header size is bounded by h11's `max_incomplete_event_size` (uvicorn's
-`h11_max_incomplete_event_size`), which answers 400. With `max_connections`, a connection over the
-cap is answered 503 and closed at once.
-
-An idle kept-alive connection is closed after `--timeout-keep-alive` seconds (default 120), not
-uvicorn's 5. A server that closes an idle connection as its client reuses it fails that request,
-and 5 s is exactly httpx's own pool expiry (the openai SDK's), so a client pausing ~5 s between
-requests raced the close; sglang-router counts a failed `/get_load` poll as load -1, the least
-loaded. A keep-alive that outlasts the clients' pools (httpx 5 s, aiohttp 15, reqwest and Go 90)
-leaves the closing to the client, which never races itself.
+within `--header-timeout` seconds of connecting (or of the previous response), and while a body is
+arriving no `--header-timeout` may pass without a byte of it (time the server itself holds the
+body back, under flow control, does not count); otherwise the connection is closed. Header size is
+bounded by h11's `max_incomplete_event_size` (uvicorn's `h11_max_incomplete_event_size`), which
+answers 400. With `max_connections`, a connection over the cap is answered 503 and closed at once.
 """
 
 from __future__ import annotations
@@ -27,7 +19,6 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_HEADER_BYTES = 64 * 1024
-KEEP_ALIVE_S = 120.0
 _BUSY = b"too many open connections"
 OVER_CAPACITY = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n" + (
     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_BUSY), _BUSY)
@@ -72,17 +63,9 @@ class _HeaderTimeoutProtocol(H11Protocol):
         elif self.conn.their_state is not h11.IDLE:  # the whole request is in
             self._disarm_deadline()
 
-    def data_received(self, data: bytes) -> None:
-        if self._deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm_deadline()  # the first byte of a request on a kept-alive connection
-        super().data_received(data)
-
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        # idle, uvicorn's keep-alive timer rules; a part of the next request already here has
-        # --header-timeout to be completed
-        self._disarm_deadline()
-        if not self.transport.is_closing() and self.conn.trailing_data[0]:
+        if not self.transport.is_closing():
             self._arm_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -99,12 +82,9 @@ class _HeaderTimeoutProtocol(H11Protocol):
         self.transport.close()
 
 
-def uvicorn_limits(
-    header_timeout: float, keep_alive: float = KEEP_ALIVE_S, max_connections: int | None = None
-) -> dict[str, Any]:
+def uvicorn_limits(header_timeout: float, max_connections: int | None = None) -> dict[str, Any]:
     """The uvicorn.Config keyword arguments for these limits."""
     return {
         "http": header_timeout_protocol(header_timeout, max_connections),
-        "timeout_keep_alive": keep_alive,
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
     }

@@ -133,8 +133,7 @@ async def serve(args: ServerArgs, tokenizer: Any, engine_factory: Any = None) ->
     config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                             log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=args.log_level == "debug",
-                            **uvicorn_limits(args.header_timeout,
-                                             args.timeout_keep_alive))  # fmt: skip
+                            **uvicorn_limits(args.header_timeout))  # fmt: skip
     server = DrainingServer(config, state)
     server.loop = asyncio.get_running_loop()
     serving = asyncio.create_task(server.serve())
