@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,10 @@ from server_harness import Server
 
 pytestmark = requires_router
 MODEL = "glm-router-test"
-ROUTER_LOAD_POLL_S = 5
+# sglang-router 0.3.2 polls /get_load for power_of_two every --worker-startup-check-interval
+# seconds (pd_harness passes 1); its debug log has this line after each poll
+POLLED = "Fetched loads from 2 workers"
+ROUTER_POLL_WAIT_S = 30
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in spring, briefly."}]
 
 
@@ -57,6 +59,12 @@ def test_round_robin_chat(pair: tuple[Server, Server]) -> None:
     assert all(x > y for x, y in zip(after, before)), "round_robin used both servers"
 
 
+def busy_load(server: Server) -> int:
+    """Requests on `server` if its KV is in use too (what the router compares), else 0."""
+    load = httpx.get(server.url + "/get_load").json()[0]
+    return load["num_reqs"] if load["num_tokens"] > 0 else 0
+
+
 def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
     """Busy server A (KV in use, as /get_load reports) gets none of the router's requests: A is
     kept loaded by holders that resubmit as they finish (a 900-token request lasts under a
@@ -76,21 +84,24 @@ def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
     for t in threads:
         t.start()
     try:
-        with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two") as r:
-            wait_for(lambda: httpx.get(a.url + "/get_load").json()[0]["num_reqs"] == holders,
-                     60, "A busy")  # fmt: skip
+        with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two",
+                            "--log-level", "debug") as r:  # fmt: skip
+            wait_for(lambda: busy_load(a) == holders, 60, "A busy")
             before = stats(b.url)["prompt_tokens"]
-            # sglang-router's LoadMonitor polls /get_load every 5 s (hard-coded for power_of_two)
-            # and its first poll may come before A was busy: wait out one whole period
-            time.sleep(ROUTER_LOAD_POLL_S + 1)
+            # the router's polls so far may have come before A was busy, and one may be under
+            # way: the second one after this began after it
+            polled = sum(POLLED in line for line in r.log)
+            wait_for(lambda: sum(POLLED in line for line in r.log) >= polled + 2,
+                     ROUTER_POLL_WAIT_S, "two more load polls by the router")  # fmt: skip
             client = openai.OpenAI(base_url=r.base, api_key="none")
             sent = sum(
                 client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
                 .usage.prompt_tokens for i in range(4)
             )  # fmt: skip
             assert stats(a.url)["num_running"] >= holders // 2, "the holders kept A loaded"
+            chose = "".join(line for line in r.log if "Power-of-two selection" in line)
             assert stats(b.url)["prompt_tokens"] - before == sent, (
-                "power_of_two sent a request to the loaded server"
+                f"power_of_two sent a request to the loaded server:\n{chose}"
             )
     finally:
         stop.set()
