@@ -90,9 +90,10 @@ def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
             before = stats(b.url)["prompt_tokens"]
             # the router's polls so far may have come before A was busy, and one may be under
             # way: the second one after this began after it
-            polled = sum(POLLED in line for line in r.log)
-            wait_for(lambda: sum(POLLED in line for line in r.log) >= polled + 2,
-                     ROUTER_POLL_WAIT_S, "two more load polls by the router")  # fmt: skip
+            polls = lambda: sum(POLLED in line for line in r.log)  # noqa: E731
+            polled = polls()
+            wait_for(lambda: polls() >= polled + 2, ROUTER_POLL_WAIT_S,
+                     "two more load polls by the router")  # fmt: skip
             client = openai.OpenAI(base_url=r.base, api_key="none")
             sent = sum(
                 client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
