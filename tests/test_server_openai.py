@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from server_harness import Server
+from transformers import AutoTokenizer
 
 TOOLS = [
     {"type": "function", "function": {
@@ -211,14 +213,26 @@ def test_reasoning_switches(client: openai.OpenAI):
     assert off.choices[0].message.reasoning_content is None  # prompt ended with </think>
 
 
-def test_history_with_tool_calls(client: openai.OpenAI):
-    messages = ask("answer") + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]  # fmt: skip
-    out = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=2)
-    assert out.usage.prompt_tokens > 20
+def test_history_with_tool_calls(client: openai.OpenAI, server_checkpoint: Path):
+    """The assistant's tool call and the tool's result reach the prompt: the server counts
+    exactly the tokens of the model's own template rendered with them (dropping either turn,
+    or the call's arguments, changes the count)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'},
+    }
+    history = [{"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+    out = client.chat.completions.create(model="m", messages=ask("answer") + history,
+                                         tools=TOOLS, max_tokens=2)  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(server_checkpoint)
+    rendered_call = call | {"function": call["function"] | {"arguments": {"location": "Paris"}}}
+    rendered = [*ask("answer"), history[0] | {"tool_calls": [rendered_call]}, history[1]]
+    prompt = tokenizer.apply_chat_template(rendered, tools=TOOLS, tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+    assert all(part in prompt for part in ("get_weather", "Paris", "sunny"))  # the turns render
+    assert out.usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def test_completions_and_generate(main_server: Server, client: openai.OpenAI):
@@ -264,9 +278,11 @@ def _finished_by_reason(server: Server) -> dict[str, float]:
 
 
 def _abort_while_streaming(server: Server, rid: str, abort: dict) -> str:
-    """Start a long stream as `rid`, POST `abort` once it runs, read to the end: its finish."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "a long story"}], "rid": rid,
-            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    """Start the `long` script (a minute of output) as `rid`, POST `abort` once it streams, read
+    to the end: its finish. A real 900-token request could finish in the engine before the abort
+    arrived (its rid is out of flight once its last output reached the API process, while the
+    client still reads its buffered chunks); then there was nothing to abort."""
+    body = {"model": "m", "messages": ask("long"), "rid": rid, "stream": True}
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         lines = filter(None, r.iter_lines())
         next(lines)
@@ -281,18 +297,17 @@ def test_metrics_count_client_cancels_apart(main_server: Server):
     abort_all stays `abort`; neither counts as a finished request (sglang PR #32456)."""
     url = main_server.url
     before = _finished_by_reason(main_server)
-    body = {"model": "m", "messages": [{"role": "user", "content": "a long story"}],
-            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {"model": "m", "messages": ask("long"), "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 2:
-                break  # the client goes away mid-stream
+                break  # the client goes away mid-stream (the script runs for a minute)
     assert _abort_while_streaming(main_server, "cancel-mine", {"rid": "cancel-mine"}) == "abort"
     assert _abort_while_streaming(main_server, "cancel-all", {"abort_all": True}) == "abort"
     short = body | {"max_tokens": 2, "stream": False}
     assert httpx.post(url + "/v1/chat/completions", json=short).json()["choices"][0][
         "finish_reason"] == "length"  # fmt: skip
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # hang guard
     while True:
         after = _finished_by_reason(main_server)
         grown = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
