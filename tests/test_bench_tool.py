@@ -123,7 +123,8 @@ def test_chat_counts_failures_tokens_cache_and_accept(fake_server, tmp_path):
     assert report["accept_length"] == 2.5
     assert report["model"] == "fake-model"
     _assert_stats_ordered(report)
-    assert elapsed < timeout * (expected["stall_every"] + 1) + 10  # stalls are bounded
+    # a stalled request hangs for an hour: the run ending at all is the --timeout at work
+    assert elapsed < 120  # hang guard
     for request in report["requests"]:
         if request["success"]:
             assert len(request["itl"]) == out_len - 1  # one gap per token after the first

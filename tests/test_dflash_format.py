@@ -76,7 +76,14 @@ def test_codebooks_with_weight_suffix_and_shared_copies_load(target, tmp_path):
         tensors[f"candidate_selector.{name}.weight"] = tensors.pop(f"candidate_selector.{name}")
     tensors["lm_head.weight"] = torch.zeros(3, 3)  # a copy of the target's: skipped
     save_file(tensors, str(folder / "model.safetensors"))
-    load_drafter(folder, ModelConfig.from_hf(target), torch.float32)
+    model = load_drafter(folder, ModelConfig.from_hf(target), torch.float32)
+    params = dict(model.named_parameters())
+    # each codebook under its bare name, the lm_head copy left out, every value as saved
+    want = {name.removesuffix(".weight") if "codebook" in name else name: tensor
+            for name, tensor in tensors.items() if name != "lm_head.weight"}  # fmt: skip
+    assert set(params) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(params[name], tensor.float()), name
 
 
 @pytest.mark.parametrize("change,field", [

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -123,6 +124,19 @@ def test_engine_loop_rejects_instead_of_dying(error: Exception, status: int, cap
     assert isinstance(outbox.messages[0], ipc.Stats)  # stats go first
 
 
+async def submit_once_connected(client: EngineClient, req: GenerateRequest) -> list:
+    """Submit, retrying while the engine's socket has no peer yet (503: zmq connects in the
+    background), each refusal leaving no rid behind."""
+    deadline = time.monotonic() + 60  # hang guard
+    while True:
+        try:
+            return await client.submit([req])
+        except APIError as e:
+            assert e.status == 503 and client.in_flight_rids() == []
+            assert time.monotonic() < deadline, "the peer never connected"
+            await asyncio.sleep(0.05)
+
+
 def test_engine_client_leaves_no_ghost_rids():
     async def scenario() -> None:
         paths = ipc.IpcPaths.fresh()
@@ -136,8 +150,7 @@ def test_engine_client_leaves_no_ghost_rids():
                 await client.submit([request("unsent", [1])])
             assert unsent.value.status == 503 and client.in_flight_rids() == []
             peer.connect(paths.to_engine)
-            await asyncio.sleep(0.2)
-            streams = await client.submit([request("unsent", [1])])  # the rid is free again
+            streams = await submit_once_connected(client, request("unsent", [1]))  # rid free
             assert client.in_flight_rids() == ["unsent"]
             del streams  # never read (an error between submit and the first read)
             assert client.in_flight_rids() == []

@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import os
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -242,38 +242,60 @@ def test_leftover_temp_file_is_removed_never_loaded(checkpoint, tmp_path):
     assert [o.cached_tokens for o in serve(restarted, [A[1]])] == [64]
 
 
-class SlowFileBackend(FileBackend):
-    """The `dynamic` seam in use: a file backend whose reads take 100 ms a page."""
+class GatedFileBackend(FileBackend):
+    """The `dynamic` seam in use: a file backend whose reads of the pages in `blocked` wait until
+    the test calls `release()` (`waiting` is set once one does, `stuck` if none came); it counts
+    the pages it read."""
 
     def __init__(self, extra: dict, namespace: str) -> None:
         super().__init__(extra["file_path"], namespace, 1 << 30)
+        self.blocked: set[str] = set()
+        self.waiting = threading.Event()
+        self.released = threading.Event()
+        self.reads = 0
+        self.stuck = False
 
     def get(self, key: str) -> bytes | None:
-        time.sleep(0.1)
+        if key in self.blocked:
+            self.waiting.set()
+            self.stuck = not self.released.wait(120)  # hang guard
+        self.reads += 1
         return super().get(key)
 
+    def release(self) -> None:
+        self.blocked.clear()
+        self.released.set()
 
-def slow_llm(checkpoint: str, store: Path, policy: str, **extra) -> LLM:
+
+def gated_llm(checkpoint: str, store: Path, policy: str, **extra) -> LLM:
     config = {"file_path": str(store), "prefetch_threshold": PAGE, "module_path":
-              "test_hicache_storage", "class_name": "SlowFileBackend", **extra}  # fmt: skip
+              "test_hicache_storage", "class_name": "GatedFileBackend", **extra}  # fmt: skip
     return LLM(checkpoint, page_size=PAGE, max_total_tokens=96, speculative_algorithm="EAGLE",
                enable_hierarchical_cache=True, hicache_storage_backend="dynamic",
                hicache_storage_backend_extra_config=json.dumps(config),
                hicache_storage_prefetch_policy=policy)  # fmt: skip
 
 
+def block_page(llm: LLM, prompt: list[int], index: int) -> None:
+    """Reads of `prompt`'s page `index` (from 0) wait for `release()`."""
+    storage = llm.engine.cache.storage
+    storage.backend.blocked.add(storage.codec.page_keys(prompt[: (index + 1) * PAGE], PAGE)[index])
+
+
 def test_abort_in_the_middle_of_a_load(checkpoint, expected, tmp_path):
     fill_store(checkpoint, tmp_path)
-    llm = slow_llm(checkpoint, tmp_path, "wait_complete")
-    engine, cache = llm.engine, llm.engine.cache
+    llm = gated_llm(checkpoint, tmp_path, "wait_complete")
+    engine, cache, backend = llm.engine, llm.engine.cache, llm.engine.cache.storage.backend
+    block_page(llm, A[1], 1)  # page 0 loads, page 1 waits
     engine.add_request(GenerateRequest(rid="x", input_ids=A[1], sampling={"max_tokens": 4}))
     assert engine.step() == []  # waiting on its prefetch
     handle = cache.prefetches["x"][1]
-    deadline = time.monotonic() + 10
-    while not handle.pages and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert backend.waiting.wait(120)  # hang guard
+    assert len(handle.pages) == 1 and not handle.done.is_set()
     assert engine.abort("x").finish_reason["type"] == "abort"
-    assert handle.done.wait(5) and 0 < len(handle.pages) < 8  # stopped part-way
+    backend.release()
+    assert handle.done.wait(120)  # hang guard
+    assert len(handle.pages) == 2 and backend.reads == 2  # stopped after the read in progress
     assert not cache.prefetches and not engine.has_work()
     assert engine.pool.pages.num_free == engine.pool.pages.num_pages
     check_tree(cache)
@@ -283,9 +305,16 @@ def test_abort_in_the_middle_of_a_load(checkpoint, expected, tmp_path):
 
 def test_timeout_policy_admits_with_the_pages_read_so_far(checkpoint, expected, tmp_path):
     fill_store(checkpoint, tmp_path)
-    llm = slow_llm(checkpoint, tmp_path, "timeout", prefetch_timeout_base=0.35,
-                   prefetch_timeout_per_ki_token=0.0)  # fmt: skip
-    outs = serve(llm, SECOND)
+    # the timeout is the policy's, not a bound on the test: two page reads fit in it easily
+    llm = gated_llm(checkpoint, tmp_path, "timeout", prefetch_timeout_base=5.0,
+                    prefetch_timeout_per_ki_token=0.0)  # fmt: skip
+    for prompt in SECOND:
+        block_page(llm, prompt, 2)  # pages 0 and 1 load, page 2 waits past the timeout
+    try:
+        outs = serve(llm, SECOND)
+    finally:
+        llm.engine.cache.storage.backend.release()
     assert_recomputed_ok(outs, expected)
-    assert all(o.cached_tokens < 64 for o in outs) and sum(o.cached_tokens for o in outs) > 0
+    assert [o.cached_tokens for o in outs] == [2 * PAGE, 2 * PAGE]
+    assert not llm.engine.cache.storage.backend.stuck  # admitted at the timeout, not at a release
     check_tree(llm.engine.cache)
