@@ -8,7 +8,7 @@ each said in the log.
 
 Then the real thing: `dsaserve serve` killed during its native decode build, by SIGINT to the API
 process alone and by SIGKILL to its whole process group, stops everything (the compiler too), and
-the next start says what it found and is ready within its own build time plus 10 s.
+the next start says what it found, waits on nothing, builds, and the one after finds it cached.
 """
 
 from __future__ import annotations
@@ -84,12 +84,11 @@ def test_no_compiler(extensions, tmp_path, monkeypatch):
 
 
 def test_build_past_its_timeout_is_stopped(extensions, tmp_path):
-    start = time.monotonic()
+    # SLOW compiles for minutes: only the 2 s timeout ends it with this message
     with pytest.raises(native_build.BuildFailed, match="timed out after 2 s"):
         native_build.load("nb_slow", source(tmp_path, SLOW), SLOW_FLAGS, what="x", timeout_s=2)
-    assert time.monotonic() - start < 30
     # its compiler is gone (killed at the timeout; allow the kernel a moment to take it away)
-    assert gone(process_tree.working_in(extensions / "nb_slow"), 5)
+    assert gone(process_tree.working_in(extensions / "nb_slow"), 60)  # hang guard
 
 
 HOLD = """
@@ -109,10 +108,10 @@ def test_a_live_build_is_waited_on_with_its_owner_named(extensions, tmp_path, ca
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        monkeypatch.setattr(native_build, "WAIT_LOG_EVERY_S", 0.5)
+        monkeypatch.setattr(native_build, "WAIT_LOG_EVERY_S", 0.0)  # a line every poll
         with caplog.at_level(logging.INFO, logger=LOGGER):
             with pytest.raises(native_build.BuildFailed, match=f"pid {holder.pid}"):
-                native_build.load("nb_held", source(tmp_path, TINY), [], what="x", timeout_s=1.5)
+                native_build.load("nb_held", source(tmp_path, TINY), [], what="x", timeout_s=3)
     finally:
         holder.kill()
         holder.wait()
@@ -136,7 +135,7 @@ def test_a_dead_owners_lock_is_taken_over_and_its_leftovers_cleared(extensions, 
         with caplog.at_level(logging.INFO, logger=LOGGER):
             module = native_build.load("nb_stale", source(tmp_path, TINY), [], what="the x")
         assert module.answer() == 42
-        assert orphan.wait(5) == -signal.SIGKILL
+        assert orphan.wait(60) == -signal.SIGKILL  # hang guard
     finally:
         orphan.kill()
     text = caplog.text
@@ -150,14 +149,14 @@ def test_a_dead_owners_lock_is_taken_over_and_its_leftovers_cleared(extensions, 
 BUILDING = "building the native decode layers"
 
 
-def launch(model: Path, extensions: Path, **env: str) -> tuple[Server, float]:
+def launch(model: Path, extensions: Path, **env: str) -> Server:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "TORCH_EXTENSIONS_DIR": str(extensions), **env}  # fmt: skip
     command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
                "--port", "0", "--max-total-tokens", "2048", "--page-size", "16"]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=env, start_new_session=True)  # fmt: skip
-    return Server("", process), time.monotonic()
+    return Server("", process)
 
 
 def wait_for_compiler(server: Server, folder: Path, timeout: float = 120) -> list:
@@ -198,51 +197,52 @@ def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, 
     extensions = tmp_path / "ext"
     folder = extensions / "dsaserve_cpu_decode"
     # 1. SIGINT to the API process alone (not its group): the start stops, compiler included.
-    first, _ = launch(server_checkpoint, extensions)
+    first = launch(server_checkpoint, extensions)
     try:
         compilers = wait_for_compiler(first, folder)
         os.kill(first.process.pid, signal.SIGINT)
-        assert first.process.wait(30) != 0
-        assert gone(compilers, 10), "the compiler outlived the SIGINT"
-        assert gone_group(first.process.pid, 10), group_members(first.process.pid)
+        assert first.process.wait(60) != 0  # hang guard
+        assert gone(compilers, 60), "the compiler outlived the SIGINT"  # hang guard
+        assert gone_group(first.process.pid, 60), group_members(first.process.pid)  # hang guard
     finally:
         stop_group(first.process)
     assert "stopped during start-up" in first.output()
     assert (folder / "dsaserve.lock").read_text() == "" and not (folder / "lock").exists()
     # 2. The next start builds at once (nothing to wait on); SIGKILL to its whole group: the
     # compiler (in ninja's own process group, which no group signal reaches) is reaped.
-    second, _ = launch(server_checkpoint, extensions)
+    second = launch(server_checkpoint, extensions)
     try:
         compilers = wait_for_compiler(second, folder)
         assert "waiting for" not in second.output() and "interrupted" not in second.output()
         os.killpg(second.process.pid, signal.SIGKILL)
-        assert gone(compilers, 5), "the compiler outlived its killed build"
+        assert gone(compilers, 60), "the compiler outlived its killed build"  # hang guard
     finally:
         stop_group(second.process)
     assert (folder / "lock").exists() and (folder / "dsaserve.lock").read_text()  # left behind
-    # 3. The third start takes the dead build's lock over and says so; it is ready within its
-    # build time plus 10 s over a start with the build cached (4.): it waited on nothing.
-    third, took = start_and_stop(server_checkpoint, extensions)
+    # 3. The third start takes the dead build's lock over and says so, waits on nothing, then
+    # builds; the fourth finds that build cached.
+    third = start_and_stop(server_checkpoint, extensions)
     log = build_lines(third)
-    assert re.search(
+    took_over = re.search(
         r"the last build of the native decode layers \(pid \d+, started \d+ s ago\) "
         r"was interrupted: its process is gone; took over its lock",
         log,
-    ), log
+    )
+    assert took_over, log
+    assert "waiting for" not in third.output(), log  # the dead owner's lock held nothing up
     assert f"removed the stale build lock {folder / 'lock'}" in log, log
-    assert f"{BUILDING} (first start, ~30 s)" in log and "unavailable" not in log, log
-    built = float(re.search(r"built the native decode layers in ([\d.]+) s", log).group(1))
-    fourth, warm = start_and_stop(server_checkpoint, extensions)
+    assert f"{BUILDING} (first start, ~30 s)" in log[took_over.end() :], log  # then it built
+    assert "unavailable" not in log and "built the native decode layers in" in log, log
+    fourth = start_and_stop(server_checkpoint, extensions)
     assert not build_lines(fourth), build_lines(fourth)  # cached: nothing to build or clear
-    assert took < built + warm + 10, (took, built, warm, log)
 
 
-def start_and_stop(model: Path, extensions: Path, **env: str) -> tuple[Server, float]:
-    """A start until ready, then stopped; and how long it took to be ready."""
-    server, started = launch(model, extensions, **env)
+def start_and_stop(model: Path, extensions: Path, **env: str) -> Server:
+    """A start until ready, then stopped."""
+    server = launch(model, extensions, **env)
     try:
         _wait_ready(server)
-        return server, time.monotonic() - started
+        return server
     finally:
         stop_group(server.process)
 
@@ -262,7 +262,7 @@ def test_serve_says_when_it_waits_on_a_live_build(server_checkpoint, tmp_path):
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     try:
-        server, _ = start_and_stop(server_checkpoint, tmp_path / "ext",
+        server = start_and_stop(server_checkpoint, tmp_path / "ext",
                                    DSASERVE_NATIVE_BUILD_TIMEOUT="3")  # fmt: skip
     finally:
         holder.kill()
