@@ -6,13 +6,23 @@ when a test asks for them.
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import skip_policy
 import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
-from server_harness import Server, make_server_checkpoint, running_server, write_scripts
+from server_harness import (
+    Server,
+    make_server_checkpoint,
+    readme_block,
+    running_command,
+    running_server,
+    write_scripts,
+)
 
 THINK_TOOL = (
     "The user wants the weather.</think>Let me check.<tool_call>get_weather"
@@ -65,4 +75,18 @@ def main_server(server_checkpoint: Path, scripts_path: Path) -> Iterator[Server]
     flags = ["--enable-metrics", "--enable-cache-report", "--served-model-name", "glm-test",
              "--max-request-bytes", str(MAX_REQUEST_BYTES)]  # fmt: skip
     with running_server(server_checkpoint, *flags, scripts=scripts_path) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def readme_server() -> Iterator[Server]:
+    """The README's own start, shared by the tests that chat with the embedded model: its command
+    run as written through the installed `dsaserve` console script, with only `--port 0` added,
+    and the environment a user has (the default page size, the memory-sized KV pool, the default
+    `--threads`)."""
+    argv = shlex.split(readme_block("Start the server on the embedded default model"))
+    assert argv == ["dsaserve", "serve"], argv
+    script = Path(sys.executable).with_name("dsaserve")  # the console script pip installed
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    with running_command([str(script), *argv[1:], "--port", "0"], env) as server:
         yield server

@@ -25,6 +25,7 @@ from pathlib import Path
 from dsaserve.assets import default_model_path
 
 FIXTURES = Path(__file__).parent / "fixtures"
+README = Path(__file__).resolve().parents[1] / "README.md"
 READY = re.compile(r"dsaserve ready: (http://\S+)")
 START_TIMEOUT_S = 240
 BUILD_TIMEOUT_S = 600  # more, while the start says it is building (kernels/native_build.py)
@@ -53,6 +54,15 @@ def make_server_checkpoint(folder: Path, seed: int = 0) -> Path:
     })  # fmt: skip
     GlmMoeDsaForCausalLM(config).eval().save_pretrained(folder)
     return folder
+
+
+def readme_block(after: str) -> str:
+    """The first ```bash block of README.md after the line that starts with `after`."""
+    text = README.read_text()
+    start = text.index("\n" + after)
+    match = re.search(r"```bash\n(.*?)```", text[start:], re.S)
+    assert match, f"README.md has no bash block after {after!r}"
+    return match.group(1).strip()
 
 
 @dataclass
@@ -94,8 +104,16 @@ def running_server(
         serve = [sys.executable, str(Path(__file__).with_name("scripted_serve.py")), *double]
     command = [*serve, *model_flags, "--port", "0", "--max-total-tokens", "4096",
                "--page-size", "16", *flags]  # fmt: skip
+    with running_command(command, full_env) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_command(command: list[str], env: dict) -> Iterator[Server]:
+    """`command` (a `dsaserve serve ... --port 0` line) in its own process group, once it says it
+    is ready; the whole group stopped when the block exits, even on failure."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
     server = Server("", process)

@@ -20,7 +20,7 @@ import torch
 from deepseek_checkpoint import make_deepseek_server_checkpoint
 from dflash_models import write_drafter
 from safetensors.torch import load_file, save_file
-from server_harness import make_server_checkpoint, running_server
+from server_harness import Server, make_server_checkpoint, running_server
 
 from dsaserve.assets import default_drafter_path, default_model_path
 
@@ -88,12 +88,16 @@ def test_random_targets_equal_plain_and_report(served):
 
 def _embedded_runs(*flags) -> tuple[list, list, float]:
     with running_server(default_model_path(), *flags) as server:
-        native = generate_all(server, max_new=32)
-        chats = chat_all(server, CHATS)
-        structured = chat_all(server, CHATS[:1], max_tokens=200, response_format={
-            "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})  # fmt: skip
-        info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-        accept = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
+        return _runs(server)
+
+
+def _runs(server: Server) -> tuple[list, list, float]:
+    native = generate_all(server, max_new=32)
+    chats = chat_all(server, CHATS)
+    structured = chat_all(server, CHATS[:1], max_tokens=200, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}})  # fmt: skip
+    info = httpx.get(server.url + "/get_server_info", timeout=30).json()
+    accept = info["internal_states"][0].get("avg_spec_accept_length", 0.0)
     texts = [(c.message.content, getattr(c.message, "reasoning_content", None)) for c in chats]
     return (
         [r["output_ids"] for r in native] + [s.message.content for s in structured],
@@ -103,8 +107,10 @@ def _embedded_runs(*flags) -> tuple[list, list, float]:
 
 
 @pytest.fixture(scope="module")
-def embedded_plain():
-    return _embedded_runs()
+def embedded_plain(readme_server: Server):
+    """Plain decoding's answers from the README's server (tests/conftest.py): its page size,
+    pool and threads differ from the DFLASH servers', and the tokens must not."""
+    return _runs(readme_server)
 
 
 def test_embedded_model_with_its_drafter_equals_plain(embedded_plain):

@@ -1,10 +1,13 @@
-"""The README's first command: `dsaserve serve` with no --model-path serves the embedded model,
-and the README's examples (the guide's 15% of 240 and weather in Paris) give the expected kind
-of answer through the official openai SDK, greedy."""
+"""The README's first command: `dsaserve serve` with no --model-path serves the embedded model
+(tests/conftest.py's `readme_server`: the console script as the README writes it, with only
+`--port 0` added), the README's curl body gets the answer the README prints, and the README's
+examples (the guide's 15% of 240 and weather in Paris) give the expected kind of answer through
+the official openai SDK, greedy."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
-from server_harness import running_server
+from server_harness import readme_block
 
 from dsaserve.assets import default_model_path
 
@@ -21,9 +24,8 @@ from default_model_data import WEATHER_TOOL  # noqa: E402  (the schema the model
 
 
 @pytest.fixture(scope="module")
-def server():
-    with running_server(None) as server:
-        yield server
+def server(readme_server):
+    return readme_server
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,20 @@ def client(server) -> OpenAI:
 def test_dsaserve_serve_without_a_model_path_serves_the_embedded_model(server):
     models = httpx.get(f"{server.url}/v1/models", timeout=30).json()
     assert models["data"][0]["id"] == default_model_path().name
+
+
+def test_the_readmes_curl_gets_the_answer_the_readme_prints(server):
+    """The README's curl line, sent as written (its path and body), answers what the README's
+    comment lines print: the content exactly, the reasoning up to the README's `...`."""
+    curl = readme_block("## Talk to it")
+    path = re.search(r"localhost:30000(/\S+)", curl).group(1)
+    body = json.loads(re.search(r"-d '(.*?)'", curl, re.S).group(1))
+    printed = dict(re.findall(r'^# "(\w+)": "(.*)"$', curl, re.M))
+    reply = httpx.post(server.url + path, json=body, timeout=300)  # hang guard
+    assert reply.status_code == 200, reply.text
+    message = reply.json()["choices"][0]["message"]
+    assert message["content"] == printed["content"], message
+    assert message["reasoning_content"].startswith(printed["reasoning_content"].split(" ...")[0])
 
 
 def test_guide_percentage_example_reasons_then_answers(client):
@@ -129,3 +145,11 @@ def test_json_schema_answer_is_the_right_number(client):
     assert reply.choices[0].finish_reason == "stop", content
     jsonschema.validate(json.loads(content), ANSWER_SCHEMA)
     assert json.loads(content)["answer"] == 36, content
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """`.ci/run` installs, then runs the README's test command as written (its last line)."""
+    command = readme_block("Run the tests")
+    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command
+    assert "scripts/install.sh" in ci
