@@ -166,15 +166,14 @@ def test_engine_start_failure_exits_with_a_message(tmp_path: Path, server_checkp
 
 def test_watchdog_ends_a_stuck_engine(server_checkpoint: Path, tmp_path: Path):
     """A step longer than --watchdog-timeout ends the engine; the request fails, never hangs."""
-    scripts = write_scripts(tmp_path, {"stall": {"text": "slow", "chunk": 1, "delay": 30}})
+    # a step of 10 minutes: without the watchdog the request outlives the client's hang guard
+    scripts = write_scripts(tmp_path, {"stall": {"text": "slow", "chunk": 1, "delay": 600}})
     flags = ["--watchdog-timeout", "1"]  # no model: the scripts alone
     with running_server(server_checkpoint, *flags, scripts=scripts, real_engine=False) as server:
-        start = time.monotonic()
         r = httpx.post(
             server.url + "/v1/chat/completions",
-            timeout=60,
+            timeout=120,  # hang guard
             json={"model": "m", "messages": [{"role": "user", "content": "[[script:stall]]"}]},
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
-        assert time.monotonic() - start < 20
         assert httpx.get(server.url + "/health").status_code == 503
