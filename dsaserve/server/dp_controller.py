@@ -211,8 +211,13 @@ class DPEngineClient(EngineClient):
         super()._dispatch(message)
 
 
+SETTINGS = ("spec_num_steps", "spec_block_size")  # the same on every group: not summed
+
+
 def sum_stats(per_group: list[dict]) -> dict:
-    """Counts summed over groups; rates recomputed from the sums where they can be."""
+    """Counts summed over groups; rates recomputed from the sums where they can be: the
+    speculative rates weighted by each group's verify steps (a group that verified nothing does
+    not pull the server's accept length down)."""
     total: dict = {}
     for stats in per_group:
         for key, value in stats.items():
@@ -221,9 +226,14 @@ def sum_stats(per_group: list[dict]) -> dict:
     prompt = total.get("prompt_tokens", 0)
     if "cache_hit_rate" in total:
         total["cache_hit_rate"] = total.get("cached_tokens", 0) / prompt if prompt else 0.0
+    verifies = total.get("spec_verify_ct", 0)
     for key in ("avg_spec_accept_length", "spec_accept_rate"):
         if key in total:
-            total[key] = total[key] / len(per_group)
+            weighted = sum(g.get(key, 0.0) * g.get("spec_verify_ct", 0) for g in per_group)
+            total[key] = weighted / verifies if verifies else 0.0
+    for key in SETTINGS:
+        if key in total:
+            total[key] = per_group[0][key]
     return total
 
 
