@@ -8,12 +8,15 @@ the CPU plan of a tiny checkpoint folder. Each is rewritten only where this mach
 model path (a tiny random GLM checkpoint with an MTP layer, heads and experts divisible by 4),
 the DFLASH drafter path (a random published-format DFlash2 drafter for that checkpoint),
 `--host` and `--port` (an OS-chosen port; the harness also sets a 4096-token KV pool, which is
-what `--mem-fraction-static`, a GPU's share, would size). One command per distinct layout is
-started (the one with the most flags; see STARTED), sent three requests at once with the openai
-SDK and stopped; its process tree must be empty afterwards. Every other command must pass the
-same start-up checks. PD-role commands (`--disaggregation-mode`) run at tp N and under DP
-attention, and a prefill or decode answers requests only behind the router with its partner:
-tests/test_pd_router.py starts those.
+what `--mem-fraction-static`, a GPU's share, would size). Every command must pass `dsaserve
+serve`'s start-up checks. Three are started, sent three requests at once with the openai SDK and
+stopped, their process trees empty afterwards: the CPU plan's (one rank); the one four-rank
+layout that composes every other (`--tp 4 --dp 4 --ep 4` under DP attention with DeepEP, EAGLE
+and HiCache: four ranks on two cores are started once per run); and the DFLASH layout at two
+ranks (`--tp 4` halved: its drafter under tensor parallelism). The other layouts' pieces run in
+that composition and at two ranks in tests/test_parallel_serve.py. PD-role commands
+(`--disaggregation-mode`) run at tp N and under DP attention, and a prefill or decode answers
+requests only behind the router with its partner: tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import itertools
 import shlex
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 from dflash_models import write_drafter
@@ -46,10 +50,9 @@ OPTIONS = {
 }
 REWRITTEN = ("--model-path", "--host", "--port", "--speculative-draft-model-path")
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
-# Started: each layout once, with and without speculation between them (the DP-attention layouts
-# both ways); the other commands of a layout pass the same start-up checks.
-STARTED = ("tp4 dp1 ep1 dpa0 eagle", "tp4 dp4 ep4 dpa1 plain", "tp4 dp4 ep1 dpa1 eagle",
-           "tp1 dp1 ep1 dpa0 plain", "tp4 dp1 ep1 dpa0 dflash")  # fmt: skip
+# Started (see the docstring): the CPU plan, the four-rank composition, DFLASH halved to two ranks
+STARTED = {"tp1 dp1 ep1 dpa0 plain": {}, "tp4 dp4 ep4 dpa1 eagle": {},
+           "tp4 dp1 ep1 dpa0 dflash": {"--tp": "2"}}  # fmt: skip
 
 
 def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]]:
@@ -124,10 +127,10 @@ def test_every_hostable_planned_command_passes_the_start_checks_and_runs(
     tiny = write_tiny_config(tmp_path_factory.mktemp("plan_cpu") / "tiny")
     pairs = [(hw, m) for hw in HARDWARE if not HARDWARE[hw].is_cpu for m in BUILTIN_MODELS]
     found = planned(pairs) + planned([("CPU", str(tiny))], input_len=64, output_len=32)
-    layouts = {key for key, _ in found}
-    assert {" ".join(key.split()[:4]) for key in STARTED} == {
-        " ".join(key.split()[:4]) for key in layouts
-    }  # every layout that fits: GB300's three and the CPU plan's
+    layouts = {" ".join(key.split()[:4]) for key, _ in found}
+    # every layout that fits: GB300's three and the CPU plan's
+    assert layouts == {"tp1 dp1 ep1 dpa0", "tp4 dp1 ep1 dpa0", "tp4 dp4 ep1 dpa1",
+                       "tp4 dp4 ep4 dpa1"}  # fmt: skip
     model = str(checkpoint)
     runnable: dict[str, list[str]] = {}
     for key, argv in found:
@@ -141,18 +144,32 @@ def test_every_hostable_planned_command_passes_the_start_checks_and_runs(
         assert any(" dpa1 " in key for key in runnable if key.endswith(role))
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
-    for key in STARTED:
-        with running_server(checkpoint, *runnable[key]) as server:
+    for key, sizes in STARTED.items():
+        with running_server(checkpoint, *resized(runnable[key], sizes)) as server:
             client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
             with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched (and across DP groups)
                 outs = list(pool.map(_greedy, [client] * len(PROMPTS), PROMPTS))
+            assert all(len(out.logprobs.tokens) == 2 for out in outs), key
             first[key] = outs[0].logprobs.tokens[0], outs[0].logprobs.token_logprobs[0]
+            info = httpx.get(server.url + "/get_server_info", timeout=60).json()["internal_states"]
+            if "plain" not in key:  # the drafter ran: every verify emits at least one token
+                assert info[0]["avg_spec_accept_length"] >= 1.0, (key, info[0])
+            assert info[0].get("spec_algorithm") == ("DFLASH" if "dflash" in key else None), key
+            if "dpa1" in key:
+                assert len(info[0]["dp_groups"]) == 4, key
+                assert "DeepEP is not available" in server.output()  # --moe-a2a-backend deepep
             pgid = server.process.pid
         assert not group_members(pgid), f"{key}: processes left"
-    # the first greedy token of a 12-token prompt, from the logits of its last row: DP attention
-    # gathers each group's logits rows (not its forward rows) for the LM head
-    (token, logprob), (dp_token, dp_logprob) = first["tp1 dp1 ep1 dpa0 plain"], first[STARTED[1]]
-    assert token == dp_token and abs(logprob - dp_logprob) < 1e-2
+    # the first greedy token of a 12-token prompt, from the logits of its last row, whatever the
+    # layout: DP attention gathers each group's logits rows (not its forward rows) for the LM head
+    token, logprob = first["tp1 dp1 ep1 dpa0 plain"]
+    for key, (other_token, other_logprob) in first.items():
+        assert other_token == token and abs(other_logprob - logprob) < 1e-2, key
+
+
+def resized(flags: list[str], sizes: dict[str, str]) -> list[str]:
+    """`flags` with the values of the flags named in `sizes` replaced (a layout halved)."""
+    return [sizes.get(flags[i - 1], flag) if i else flag for i, flag in enumerate(flags)]
 
 
 def _greedy(client: openai.OpenAI, prompt: str):
