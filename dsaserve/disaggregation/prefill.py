@@ -37,7 +37,7 @@ from dsaserve.disaggregation.protocol import (
     TransferInfo,
     parse_to_prefill,
 )
-from dsaserve.disaggregation.transfer.base import HOST, fault_delay
+from dsaserve.disaggregation.transfer.base import HOST, fault_mode, pause_between_writes
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
@@ -83,6 +83,7 @@ class PrefillEngine(RoleEngine):
                                                     args.header_timeout)  # fmt: skip
             port = self.server.port
         wait = 0.0 if group == 0 else REGISTER_WAIT_S  # group 0's server may still be starting
+        self.bootstrap_port = port  # the bound one (reported; --disaggregation-bootstrap-port 0)
         address = f"{self._bootstrap_host()}:{port}"
         self.registration_id = bootstrap.register_rank(address, self._rank_info(), self.secret,
                                                        wait=wait)  # fmt: skip
@@ -107,6 +108,12 @@ class PrefillEngine(RoleEngine):
 
     def active_rooms(self) -> int:
         return len(self.rooms)
+
+    def stats(self) -> dict:
+        """With the bootstrap server's port where this group hosts it (group 0 only: under DP
+        attention the groups' stats are summed)."""
+        hosted = {"pd_bootstrap_port": self.bootstrap_port} if self.server else {}
+        return {**super().stats(), **hosted}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -301,10 +308,11 @@ class PrefillEngine(RoleEngine):
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
         kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
-        delay = fault_delay()
-        if kinds != HOST or delay:  # KV and aux in separate writes (one memory kind per write)
+        pause = fault_mode() == "pause"  # a fault test's hook, off unless its variable is set
+        if kinds != HOST or pause:  # KV and aux in separate writes (one memory kind per write)
             self.transfer.write(peer.handle, segments, b"", kinds)
-            time.sleep(delay)  # the fault tests kill the prefill in this pause
+            if pause:
+                pause_between_writes(room)
             segments = []
         self.transfer.write(peer.handle, segments + tail, str(room).encode())
         seconds = time.monotonic() - started

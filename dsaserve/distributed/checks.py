@@ -49,11 +49,6 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
     if args.enable_hierarchical_cache and sizes.cp > 1:
         raise ArgsError("--enable-hierarchical-cache with --enable-prefill-cp: the host tier "
                         "does not move context-parallel pools yet; drop one")  # fmt: skip
-    fixed_port = args.disaggregation_bootstrap_port != 0
-    if sizes.groups > 1 and args.disaggregation_mode == "prefill" and not fixed_port:
-        raise ArgsError(f"--disaggregation-mode prefill with --enable-dp-attention --dp "
-                        f"{sizes.dp}: --disaggregation-bootstrap-port 0 is not allowed (every "
-                        "attention group registers at that port; give a fixed one)")  # fmt: skip
     if args.dist_init_addr and not _is_host_port(args.dist_init_addr):
         raise ArgsError(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
 

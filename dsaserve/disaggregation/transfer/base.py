@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 from abc import ABC, abstractmethod
 
 Segment = tuple[int, int, int]  # (local address, remote address, bytes)
@@ -21,27 +22,35 @@ BACKENDS = {
     "nixl": "dsaserve.disaggregation.transfer.nixl:NixlEngine",
     "mooncake": "dsaserve.disaggregation.transfer.mooncake:MooncakeEngine",
 }
-# Test hooks (fault injection): "transfer" makes every write fail; "delay:S" pauses S seconds
-# between a room's KV write and its aux write. Read from DSASERVE_PD_FAULT, or at each write from
-# the file DSASERVE_PD_FAULT_FILE names (so a test can switch faults on a running server).
+# Test hooks (fault injection), read once at start: off in production unless one of the variables
+# is set. DSASERVE_PD_FAULT names a fixed mode; DSASERVE_PD_FAULT_FILE a file a test rewrites to
+# switch modes on a running server. "transfer": every write fails. "pause": a room's KV and aux
+# go in separate writes, and between them the writer writes "PID ROOM" to FILE.paused and waits
+# until the mode changes (a test kills it there, or releases it).
 FAULT_ENV = "DSASERVE_PD_FAULT"
 FAULT_FILE_ENV = "DSASERVE_PD_FAULT_FILE"
+_FAULT = os.environ.get(FAULT_ENV, "")
+_FAULT_FILE = os.environ.get(FAULT_FILE_ENV, "")
+PAUSE_POLL_S = 0.05
 
 
 def fault_mode() -> str:
-    path = os.environ.get(FAULT_FILE_ENV)
-    if path:
-        try:
-            with open(path) as f:
-                return f.read().strip()
-        except OSError:
-            return ""
-    return os.environ.get(FAULT_ENV, "")
+    if not _FAULT_FILE:
+        return _FAULT
+    try:
+        with open(_FAULT_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
-def fault_delay() -> float:
-    mode = fault_mode()
-    return float(mode.split(":", 1)[1]) if mode.startswith("delay:") else 0.0
+def pause_between_writes(room: int) -> None:
+    """Mode "pause": say that this process wrote the room's KV but not its aux, then wait until
+    the mode changes (the marker lets a test act at exactly this point instead of sleeping)."""
+    with open(_FAULT_FILE + ".paused", "w") as f:
+        f.write(f"{os.getpid()} {room}")
+    while fault_mode() == "pause":
+        time.sleep(PAUSE_POLL_S)
 
 
 class TransferError(RuntimeError):
