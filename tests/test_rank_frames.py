@@ -161,12 +161,13 @@ async def _fuzz(args: ServerArgs) -> None:
         before = [await _generate(client, f"before-{i}", p) for i, p in enumerate(PROMPTS)]
         for sock in client.sockets if groups > 1 else [client.to_engine]:
             run_seeded(FUZZ(given(TO_ENGINE)(_sender(sock))))
+        await client.control("stats")  # answered on each socket after every frame sent before
         with _injector(paths.from_engine) as inject:
             run_seeded(FUZZ(given(FROM_ENGINE)(_sender(inject))))
+            await _read_all_injected(client, inject)
         ports = sorted({port for _, port in listening([p.pid for p in processes])})
         assert ports  # the store (rank 0) and gloo's listeners
         run_seeded(FUZZ(given(st.sampled_from(ports), st.binary(max_size=300))(_poke)))
-        await asyncio.sleep(2.0)  # every frame read and dropped
         client.abort(list(FUZZ_RIDS))
         after = [await _generate(client, f"after-{i}", p) for i, p in enumerate(PROMPTS)]
         assert after == before
@@ -176,10 +177,21 @@ async def _fuzz(args: ServerArgs) -> None:
         await stop_engines(client, engines, started=bool(processes))
         client.close()
         paths.cleanup(groups)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # hang guard
     while any(alive(p.pid) for p in processes):
         assert time.monotonic() < deadline, "a rank outlived the engine"
         await asyncio.sleep(0.2)
+
+
+async def _read_all_injected(client: EngineClient, inject: zmq.Socket) -> None:
+    """Inject a control reply no one asked for after the fuzz and wait until the client routes
+    it: one pipe keeps its order, so every injected frame before it was read (and dropped)."""
+    call_id = next(client.control_ids)
+    marker = asyncio.get_running_loop().create_future()
+    client.replies[call_id] = marker
+    inject.send(ipc.encode(ipc.ControlReply(call_id, "marker")))
+    assert await asyncio.wait_for(marker, 120) == "marker"  # hang guard
+    client.replies.pop(call_id)
 
 
 async def _generate(client: EngineClient, rid: str, prompt: list[int]) -> list[int]:

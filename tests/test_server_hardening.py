@@ -117,7 +117,7 @@ def test_n_and_sequences_are_bounded(main_server: Server):
                         400, "n")  # fmt: skip
     many = {"prompt": ["a"] * 200, "n": 64, "max_tokens": 1}
     assert_openai_error(post(main_server, "/v1/completions", many), 400, "prompt")
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 120  # hang guard: a refused n starts no work
     assert httpx.get(main_server.url + "/health", timeout=5).status_code == 200
 
 
