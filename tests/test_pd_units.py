@@ -119,23 +119,42 @@ def _rank(group: int, groups: int, port: int) -> dict:
             "kv_cache_dtype": "bf16"}  # fmt: skip
 
 
-def test_a_dp_attention_prefill_registers_every_group_and_the_decode_resolves_each() -> None:
-    """Group 1 registers while group 0's bootstrap server is still starting (it waits); the
+def test_a_dp_attention_prefill_registers_every_group_and_the_decode_resolves_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Group 1 registers while group 0's bootstrap server is not listening yet (it waits); the
     layout answers 503 until both groups registered, then `dp_size` 2; the decode's directory
     resolves both groups' endpoints and sends room r to group r % 2."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"127.0.0.1:{port}"
-    started: list = []
-    later = threading.Timer(0.5, lambda: started.append(
-        bootstrap.BootstrapServer("127.0.0.1", port, None, 10.0)))  # fmt: skip
-    later.start()
-    directory = None
+    with socket.socket() as holder:  # bound, not listening: the port is ours, connects refused
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the server binds it too
+        holder.bind(("127.0.0.1", 0))
+        _registers_while_the_server_starts(f"127.0.0.1:{holder.getsockname()[1]}", monkeypatch)
+
+
+def _registers_while_the_server_starts(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    refused, request = threading.Event(), bootstrap._request
+
+    def counted(*args, **kwargs):  # the real request; says when one found nobody listening
+        try:
+            return request(*args, **kwargs)
+        except OSError:
+            refused.set()
+            raise
+
+    monkeypatch.setattr(bootstrap, "_request", counted)
+    with pytest.raises(OSError):  # without waiting: nobody listens yet
+        bootstrap.register_rank(address, _rank(1, 2, 2001), None)
+    refused.clear()
+    registered: list = []
+    waiting = threading.Thread(target=lambda: registered.append(
+        bootstrap.register_rank(address, _rank(1, 2, 2001), None, wait=120.0)))  # fmt: skip
+    waiting.start()
+    server = directory = None
     try:
-        with pytest.raises(OSError):  # without waiting: nobody listens yet
-            bootstrap.register_rank(address, _rank(1, 2, 2001), None)
-        bootstrap.register_rank(address, _rank(1, 2, 2001), None, wait=10.0)
+        assert refused.wait(60), "group 1 tried before the server listened"  # hang guard
+        server = bootstrap.BootstrapServer("127.0.0.1", int(address.split(":")[1]), None, 10.0)
+        waiting.join(120)  # hang guard
+        assert len(registered) == 1 and registered[0], "group 1 registered once it listened"
         with pytest.raises(RuntimeError, match="503"):  # group 0 not registered yet
             bootstrap.query_route(address, (-1, -1, -1, -1), None)
         bootstrap.register_rank(address, _rank(0, 2, 2000), None)
@@ -143,7 +162,7 @@ def test_a_dp_attention_prefill_registers_every_group_and_the_decode_resolves_ea
         assert info["dp_size"] == 2 and info["follow_bootstrap_room"]
         directory = PrefillDirectory(0.2, None)
         directory.want(address)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # hang guard
         while not directory.get(address).endpoints and time.monotonic() < deadline:
             time.sleep(0.05)
         prefill = directory.get(address)
@@ -151,21 +170,22 @@ def test_a_dp_attention_prefill_registers_every_group_and_the_decode_resolves_ea
         assert [prefill.endpoint(room) for room in (4, 7, 2**63 - 1)] == [
             "tcp://127.0.0.1:2000", "tcp://127.0.0.1:2001", "tcp://127.0.0.1:2001"]  # fmt: skip
     finally:
-        later.join()
+        waiting.join(120)  # hang guard
         if directory is not None:
             directory.close()
-        for server in started:
+        if server is not None:
             server.close()
 
 
 def test_a_dp_attention_prefill_controller_sends_each_room_to_its_group() -> None:
     """`follow_room`: room r goes to group r % 2, a batch split across groups in request
     order; without it the batch stays together and the policy decides."""
-    assert asyncio.run(_dispatched(follow_room=True)) == [["4"], ["7", "9"]]
-    assert asyncio.run(_dispatched(follow_room=False)) == [["4", "7", "9"], []]
+    assert asyncio.run(_dispatched(follow_room=True)) == [[["4"]], [["7", "9"]]]
+    assert asyncio.run(_dispatched(follow_room=False)) == [[["4", "7", "9"]], []]
 
 
-async def _dispatched(follow_room: bool) -> list[list[str]]:
+async def _dispatched(follow_room: bool) -> list[list[list[str]]]:
+    """Each group's messages (each a list of rids), read until all three requests arrived."""
     paths = ipc.IpcPaths.fresh()
     client = DPEngineClient(paths, 2, follow_room=follow_room)
     context = zmq.Context()
@@ -174,17 +194,20 @@ async def _dispatched(follow_room: bool) -> list[list[str]]:
         for group in range(2):
             inboxes.append(context.socket(zmq.PULL))
             inboxes[-1].connect(paths.for_group(group).to_engine)
-            assert client.sockets[group].poll(5000, zmq.POLLOUT)  # connected
+            assert client.sockets[group].poll(60_000, zmq.POLLOUT)  # connected; hang guard
         requests = _requests(3)
         for request, room in zip(requests, (4, 7, 9)):
             request.rid = str(room)
             request.bootstrap = Bootstrap(host="127.0.0.1", port=1, room=room)
         streams = await client.submit(requests)
         assert [stream.rid for stream in streams] == ["4", "7", "9"]
-        got = []
-        for inbox in inboxes:
-            message = ipc.decode_to_engine(inbox.recv()) if inbox.poll(2000) else None
-            got.append([r.rid for r in message.requests] if message else [])
+        got: list[list[list[str]]] = [[] for _ in inboxes]
+        deadline = time.monotonic() + 60  # hang guard
+        while sum(len(m) for g in got for m in g) < len(requests):
+            assert time.monotonic() < deadline, got
+            for inbox, messages in zip(inboxes, got):
+                if inbox.poll(50):
+                    messages.append([r.rid for r in ipc.decode_to_engine(inbox.recv()).requests])
         for stream in streams:
             stream.end(abort=False)
         return got
