@@ -3,8 +3,9 @@
 Through the openai SDK, fp32 random checkpoints (GLM with a shared indexer layer and an MTP layer,
 EAGLE on; DeepSeek-V3.2 with YaRN), prompts longer than index_topk and than the prefill chunk,
 a radix-cache hit: greedy tokens identical and per-step logprobs within 1e-4 for every layout.
-Faults: kill -9 of a rank mid-stream, of node 1; SIGSTOP of node 1's rank (/health 503 within
-5 s, runtime/heartbeat.py); the process tree is checked empty after.
+Faults: kill -9 of a rank mid-stream, of node 1 (the stream ends in the server's engine error);
+SIGSTOP of node 1's rank (/health 503 naming it, runtime/heartbeat.py); the process tree is
+checked empty after.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def check_layout(server, expected) -> dict:
 
 
 def assert_gone(pids: list[int]) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60  # hang guard
     while any(alive(pid) for pid in pids):
         assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
         time.sleep(0.2)
@@ -98,7 +99,7 @@ def disconnect_mid_stream(server) -> None:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 2:
                 break
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # hang guard
     while httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0][
             "num_running"]:  # fmt: skip
         assert time.monotonic() < deadline, "the disconnected request still runs"
@@ -113,7 +114,7 @@ def kill_rank_mid_stream(server, rank_pid: int) -> None:
     client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
     stream = client.completions.create(model="m", prompt=LONG, max_tokens=400, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-    with pytest.raises(Exception):  # noqa: B017 - an error event or a dropped stream
+    with pytest.raises(openai.APIError) as failed:
         for i, chunk in enumerate(stream):
             if i == 2:
                 os.kill(rank_pid, signal.SIGKILL)
@@ -121,11 +122,27 @@ def kill_rank_mid_stream(server, rank_pid: int) -> None:
                 break
         else:
             raise AssertionError("stream ended without an error")
-    deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/health", timeout=10).status_code != 503:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    assert_engine_dead(failed.value)  # the stream's error event (not a dropped connection)
+    wait_unhealthy(server)
     assert_gone([*engine, *ranks])
+
+
+def assert_engine_dead(error: openai.APIError) -> None:
+    """The error the server sends when its engine is gone (server/engine_client.py EngineDead):
+    neither a client-side timeout nor a dropped connection."""
+    assert type(error) in (openai.APIError, openai.InternalServerError), repr(error)
+    assert isinstance(error.body, dict) and error.body.get("code") == "engine_dead", error.body
+    assert "engine unavailable" in error.message, error.message
+
+
+def wait_unhealthy(server) -> str:
+    """/health's 503 message, once it answers 503."""
+    deadline = time.monotonic() + 60  # hang guard
+    while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "/health still 200"
+        time.sleep(0.1)
+    assert answer.status_code == 503, answer.text
+    return answer.json()["error"]["message"]
 
 
 def engine_pids(server) -> list[int]:
@@ -203,10 +220,7 @@ def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
         load = httpx.get(server.url + "/get_load", timeout=30).json()
         assert [entry["dp_rank"] for entry in load] == [0, 1]
         os.kill(replicas[1], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while httpx.get(server.url + "/health", timeout=10).status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_unhealthy(server)
         assert_gone([*replicas, *ranks])  # the surviving replica was ended too
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(60) == 0
@@ -229,40 +243,40 @@ def test_offline_llm_drives_the_same_ranks(deepseek):
 
 
 def free_port() -> int:
+    """A port for `--dist-init-addr` that node 1 must be given before node 0 binds it: the
+    product takes no port 0 there yet (each node resolves the address on its own), so this one
+    is probed and closed, a small race with any other process binding that port meanwhile."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def hang_rank(server, timeout: float) -> None:
-    """SIGSTOP a rank: within --watchdog-timeout the request fails, /health turns 503 and the
+def hang_rank(server) -> None:
+    """SIGSTOP a rank: the watchdog (--watchdog-timeout) ends the engine, so the request fails
+    with the server's engine error (not the client's own timeout), /health turns 503 and the
     engine and every rank (the stopped one too) are gone."""
     engine = engine_pids(server)
     ranks = [pid for e in engine for pid in children(e)]
     os.kill(ranks[0], signal.SIGSTOP)
-    started = time.monotonic()
-    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=120)
-    with pytest.raises(openai.APIError):
+    client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0,
+                           timeout=240)  # hang guard  # fmt: skip
+    with pytest.raises(openai.APIError) as failed:
         client.completions.create(model="m", prompt=LONG, max_tokens=4)
-    assert time.monotonic() - started < timeout + 30
+    assert_engine_dead(failed.value)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     assert_gone([*engine, *ranks])
 
 
 def stop_node1_rank(server, rank_pid: int) -> None:
-    """SIGSTOP of node 1's rank: /health 503 within 5 s naming rank 1 (its heartbeat comes
-    through the store), 200 again after SIGCONT."""
+    """SIGSTOP of node 1's rank: /health 503 naming rank 1 (its heartbeat comes through the
+    store; runtime/heartbeat.py's STALE_S after its last beat), 200 again after SIGCONT."""
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # it beats
     os.kill(rank_pid, signal.SIGSTOP)
     try:
-        started = time.monotonic()
-        while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
-            assert time.monotonic() - started < 5.0, "node 1's rank stopped, /health still 200"
-            time.sleep(0.1)
-        assert "no heartbeat from rank 1" in answer.json()["error"]["message"]
+        assert "no heartbeat from rank 1" in wait_unhealthy(server)
     finally:
         os.kill(rank_pid, signal.SIGCONT)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # hang guard
     while httpx.get(server.url + "/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline, "node 1's rank beats again, /health stays 503"
         time.sleep(0.1)
@@ -273,7 +287,7 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     flags = [*COMMON, "--tp", "2", "--ep", "2", "--watchdog-timeout", "15"]
     with running_server(deepseek, *flags) as server:
         check_layout(server, expected)
-        hang_rank(server, 15)
+        hang_rank(server)
     addr = f"127.0.0.1:{free_port()}"
     nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
     node1 = subprocess.Popen(
@@ -320,19 +334,17 @@ def test_dp_attention_across_two_nodes(glm, glm_expected):
 
 
 def test_unreachable_dist_init_addr_fails_naming_it(deepseek):
-    addr = f"127.0.0.1:{free_port()}"  # nobody listens there
-    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),
-               "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
-               "--watchdog-timeout", "2"]  # fmt: skip
-    started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    with socket.socket() as held:  # bound (nobody else takes the port), never listening: refused
+        held.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{held.getsockname()[1]}"
+        command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),
+                   "--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                   "--watchdog-timeout", "2"]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True,
+                              timeout=120)  # hang guard  # fmt: skip
     assert done.returncode == 1
     assert addr in done.stderr and "within 2s" in done.stderr
     assert "Traceback" not in done.stderr
-    assert time.monotonic() - started < 60
-
-
-DPA_PREFILL = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregation-mode=prefill"]
 
 
 @pytest.mark.parametrize(
@@ -344,10 +356,6 @@ DPA_PREFILL = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--disaggregat
         (
             ["--tp", "2", "--dp", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"],
             "replicas (without --enable-dp-attention) run on one node",
-        ),
-        (
-            [*DPA_PREFILL, "--disaggregation-bootstrap-port", "0"],
-            "--disaggregation-bootstrap-port 0 is not allowed",
         ),
     ],
 )
