@@ -113,6 +113,13 @@ def cluster(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
         stop_all(list(cluster.servers.values()))
 
 
+@pytest.fixture(autouse=True)
+def no_fault_after(cluster: Cluster) -> Iterator[None]:
+    """A failed test leaves no fault switched on (a held pause would fail the next ones)."""
+    yield
+    cluster.fault("")
+
+
 def _client(cluster: Cluster, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.router.base, api_key="none", max_retries=0, **kw)
 
