@@ -32,7 +32,7 @@ from server_harness import Server, running_server, write_scripts
 IN_CI = os.environ.get("CI") == "true"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
-WAIT_MS = 30_000
+WAIT_MS = 60_000  # hang guard: every wait for the page (playwright expect, selectors)
 REASONING = "The user asks for the weather in Beijing, so I call the weather tool for three days."
 ANSWER = "It will be sunny in Beijing for the next three days."
 SCRIPTS = {
@@ -248,7 +248,7 @@ def test_stop_aborts_the_request_on_the_server(page, chat_server):
     expect(page.locator("#status-strip [data-key=running]")).to_contain_text("1")
     page.click("#stop")
     expect(turn).to_have_attribute("data-state", "stopped")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # hang guard
     while scripted_in_flight(chat_server) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert scripted_in_flight(chat_server) == 0  # ~100 s of script left: aborted, not finished
@@ -344,8 +344,9 @@ def test_copy_as_curl_and_openai_python_run_against_the_server(page, chat_server
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == ANSWER
     curl = page.locator("#request-curl").text_content()
-    if shutil.which("curl") is None:
-        return  # the Python snippet ran; curl itself is not installed here
+    if shutil.which("curl") is None:  # a skip, which fails CI (tests/skip_policy.py)
+        pytest.skip("curl is not installed: the copied curl command was not run (apt-get install "
+                    "curl)")  # fmt: skip
     ran = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     events = [json.loads(line[6:]) for line in ran.stdout.splitlines()

@@ -145,7 +145,7 @@ def test_served_through_openai_sdk(deepseek, references):
             r = client.completions.create(model="m", prompt=prompt, max_tokens=NEW, temperature=0,
                                           logprobs=1, extra_body={"ignore_eos": True})  # fmt: skip
             lps = r.choices[0].logprobs.token_logprobs
-            assert r.choices[0].text == expected.text
+            assert r.choices[0].text == expected.text and len(lps) == NEW
             assert max(abs(a - b.logprob) for a, b in zip(lps, expected.logprobs)) < 1e-4
         info = httpx.get(server.url + "/get_server_info", timeout=60).json()
         assert info["internal_states"][0]["cached_tokens"] >= 48
