@@ -18,17 +18,18 @@ import httpx
 import openai
 import pytest
 from pd_harness import (
-    free_port,
+    bootstrap_port,
     idle,
+    launch,
     pd_flags,
     requires_nixl,
     requires_router,
     running_router,
-    running_servers,
     stats,
+    stop_all,
     wait_for,
 )
-from server_harness import Server, make_server_checkpoint
+from server_harness import Server, _wait_ready, make_server_checkpoint
 from speculative_models import add_mtp_layer
 
 from dsaserve.model_config import ModelConfig
@@ -62,24 +63,37 @@ def mooncake_available() -> bool:
 def servers(checkpoint: Path) -> Iterator[dict[str, Server]]:
     """Colocated; a `--tp 2` prefill with three decodes (NIXL): `--tp 1`, `--tp 2` and
     `--tp 2 --dp 2 --enable-dp-attention`; and (where Mooncake imports) a DP-attention prefill
-    with a `--tp 2` and a DP-attention decode."""
-    port, mooncake_port = free_port(), free_port()
-    names = ["colocated", "prefill", "decode", "decode2", "dpa_decode"]
-    specs = [
-        (checkpoint, EAGLE, None),
-        (checkpoint, EAGLE + pd_flags("prefill", port, "--tp", "2"), SECRET),
-        (checkpoint, EAGLE + pd_flags("decode", port), SECRET),
-        (checkpoint, EAGLE + pd_flags("decode", port, "--tp", "2"), SECRET),
-        (checkpoint, EAGLE + pd_flags("decode", port, *DPA), SECRET),
-    ]
+    with a `--tp 2` and a DP-attention decode. The `--tp 1` and `--tp 2` decodes are told the
+    NIXL prefill's bootstrap port (for the router that sends none), so they start once the
+    prefill reported it, while the others are still starting."""
+    specs = {
+        "colocated": EAGLE,
+        "prefill": EAGLE + pd_flags("prefill", "--tp", "2"),
+        "dpa_decode": EAGLE + pd_flags("decode", *DPA),
+    }
     if mooncake_available():
-        names += ["mooncake_prefill", "mooncake_decode", "mooncake_dpa_decode"]
-        for role, layout in (("prefill", DPA), ("decode", ["--tp", "2"]), ("decode", DPA)):
-            flags = pd_flags(role, mooncake_port, "--disaggregation-transfer-backend", "mooncake")
-            specs.append((checkpoint, EAGLE + flags + layout, SECRET))
-    with running_servers(specs) as started:
-        yield {**dict(zip(names, started)), "bootstrap_port": port,
-               "mooncake_bootstrap_port": mooncake_port}  # fmt: skip
+        for name, role, layout in (("mooncake_prefill", "prefill", DPA),
+                                   ("mooncake_decode", "decode", ["--tp", "2"]),
+                                   ("mooncake_dpa_decode", "decode", DPA)):  # fmt: skip
+            flags = pd_flags(role, "--disaggregation-transfer-backend", "mooncake", *layout)
+            specs[name] = EAGLE + flags
+    started: dict = {}
+    try:
+        for name, flags in specs.items():
+            started[name] = launch(checkpoint, *flags, env=None if name == "colocated" else SECRET)
+        started["prefill"].url = _wait_ready(started["prefill"])
+        port = bootstrap_port(started["prefill"])
+        for name, layout in (("decode", []), ("decode2", ["--tp", "2"])):
+            flags = pd_flags("decode", *layout, bootstrap_port=port)
+            started[name] = launch(checkpoint, *EAGLE, *flags, env=SECRET)
+        for server in started.values():
+            server.url = server.url or _wait_ready(server)
+        ports = {"bootstrap_port": port}
+        if "mooncake_prefill" in started:
+            ports["mooncake_bootstrap_port"] = bootstrap_port(started["mooncake_prefill"])
+        yield {**started, **ports}
+    finally:
+        stop_all(list(started.values()))
 
 
 @pytest.fixture(scope="module")
