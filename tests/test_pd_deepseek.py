@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from pd_harness import (
-    free_port,
+    bootstrap_port,
     idle,
     pd_flags,
     requires_nixl,
@@ -38,12 +38,12 @@ NEW = 8
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
     folder = tmp_path_factory.mktemp("pd_deepseek") / "ckpt"
     checkpoint = make_mtp_checkpoint(folder, "deepseek", seed=4)
-    port = free_port()
     specs = [(checkpoint, FP32, None),
-             (checkpoint, FP32 + pd_flags("prefill", port, *DPA), None),
-             (checkpoint, FP32 + pd_flags("decode", port, *DPA), None)]  # fmt: skip
+             (checkpoint, FP32 + pd_flags("prefill", *DPA), None),
+             (checkpoint, FP32 + pd_flags("decode", *DPA), None)]  # fmt: skip
     with running_servers(specs) as (single, prefill, decode):
-        yield {"single": single, "prefill": prefill, "decode": decode, "bootstrap_port": port}
+        yield {"single": single, "prefill": prefill, "decode": decode,
+               "bootstrap_port": bootstrap_port(prefill)}  # fmt: skip
 
 
 def _complete(base: str) -> list[tuple[list[str], list[float]]]:

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pd_harness import (
     PD_ENV,
-    free_port,
+    bootstrap_port,
     idle,
     pd_flags,
     requires_nixl,
@@ -61,17 +61,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def cluster(checkpoints: tuple[Path, Path]) -> Iterator[dict]:
     real, other = checkpoints
-    boot, other_boot = free_port(), free_port()
     env = {"DSASERVE_CLUSTER_SECRET": SECRET}
     wild = ["--host", "0.0.0.0"]
+    # --dist-init-addr only gives the prefill's advertised host: a one-rank server starts no
+    # rendezvous, so nothing binds its port (1, which nothing else may bind either)
     specs = [
-        (real, pd_flags("prefill", boot, *wild, "--dist-init-addr", f"127.0.0.2:{free_port()}"),
-         env),
-        (real, pd_flags("decode", boot, *wild, "--disaggregation-advertise-host", "127.0.0.3"),
-         env),
-        (other, pd_flags("prefill", other_boot, "--host", "127.0.0.4"), env),
-    ]  # fmt: skip
+        (real, pd_flags("prefill", *wild, "--dist-init-addr", "127.0.0.2:1"), env),
+        (real, pd_flags("decode", *wild, "--disaggregation-advertise-host", "127.0.0.3"), env),
+        (other, pd_flags("prefill", "--host", "127.0.0.4"), env),
+    ]
     with running_servers(specs) as (prefill, decode, attacker):
+        boot, other_boot = bootstrap_port(prefill), bootstrap_port(attacker)
         port = lambda s: s.url.rsplit(":", 1)[1]  # noqa: E731
         urls = {"prefill": f"http://127.0.0.2:{port(prefill)}",
                 "decode": f"http://127.0.0.3:{port(decode)}", "attacker": attacker.url}  # fmt: skip
