@@ -69,8 +69,8 @@ class Cluster:
     def kill(self, role: str) -> None:
         pgid = self.servers[role].process.pid
         os.killpg(pgid, signal.SIGKILL)
-        self.servers[role].process.wait(10)
-        wait_for(lambda: not group_members(pgid), 10, f"the {role}'s processes gone")
+        self.servers[role].process.wait(HANG_S)
+        wait_for(lambda: not group_members(pgid), HANG_S, f"the {role}'s processes gone")
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
@@ -92,7 +92,7 @@ class Cluster:
 
     def assert_idle(self) -> None:
         for role in ("prefill", "decode"):
-            wait_for(lambda r=role: idle(self.url(r)), 30, f"the {role} idle")
+            wait_for(lambda r=role: idle(self.url(r)), HANG_S, f"the {role} idle")
             info = httpx.get(self.url(role) + "/get_server_info").json()
             assert os.path.exists(f"/proc/{info['engine_pid']}"), f"the {role}'s engine is alive"
 
@@ -227,7 +227,7 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster, group: int) 
     chunks = [first, *stream]  # the decoding request finishes on the decode alone
     assert chunks[-1].usage.completion_tokens == 300
     # the prefill's other rank followed its engine out; its API process stays, answering 503
-    wait_for(lambda: not any(alive(pid) for pid in (writer, follower)), 30, "the ranks gone")
+    wait_for(lambda: not any(alive(pid) for pid in (writer, follower)), HANG_S, "the ranks gone")
     assert httpx.get(cluster.url("prefill") + "/health", timeout=10).status_code == 503
     cluster.kill("prefill")
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
