@@ -8,6 +8,7 @@ mid-stream frees its KV."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -139,7 +140,8 @@ def test_perturbed_drafter_changes_only_speed(embedded_plain, tmp_path):
 @pytest.mark.parametrize("served", ["glm"], indirect=True)  # the target's kind changes nothing
 def test_disconnect_mid_stream_frees_kv(served):
     target, drafter = served
-    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter)]
+    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter),
+             "--enable-metrics"]  # fmt: skip
     with running_server(target, *flags) as server:
         body = {
             "input_ids": PROMPTS[0],
@@ -149,12 +151,15 @@ def test_disconnect_mid_stream_frees_kv(served):
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as stream:
             for _ in zip(range(3), stream.iter_lines()):
                 pass
-        for _ in range(100):
-            state = httpx.get(server.url + "/get_server_info", timeout=30).json()
-            if state["internal_states"][0]["num_running"] == 0:
-                break
+        deadline = time.monotonic() + 120  # hang guard
+        while (state := httpx.get(server.url + "/get_server_info", timeout=30).json())[
+                "internal_states"][0]["num_running"]:  # fmt: skip
+            assert time.monotonic() < deadline, "the disconnected request is still running"
             time.sleep(0.2)
-        else:
-            pytest.fail("the disconnected request is still running")
+        # it ended by the disconnect's abort, not by running its 400 tokens to the end
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+        assert 'finish_reason="client_cancel"' in metrics and re.search(
+            r'num_requests_total\{finish_reason="client_cancel"[^}]*\} 1\.0', metrics
+        ), metrics
         used = state["internal_states"][0]["kv_used_tokens"]
         assert used == 0, used  # its pages went back (the radix cache may keep evictable ones)
