@@ -149,7 +149,8 @@ def _wait_ready(server: Server) -> str:
     start = time.monotonic()
     while not ready.wait(1.0):
         building = build.get("end", time.monotonic()) - build.get("start", time.monotonic())
-        if time.monotonic() - start > START_TIMEOUT_S + min(building, BUILD_TIMEOUT_S):
+        limit = START_TIMEOUT_S + min(building, BUILD_TIMEOUT_S)
+        if time.monotonic() - start > limit:  # hang guard
             break
     if not found:
         raise RuntimeError(f"server did not start:\n{server.output()}")
