@@ -59,9 +59,8 @@ def test_stop_sequence_and_end_turn(client: anthropic.Anthropic):
     msg = client.messages.create(model="m", max_tokens=100, messages=ask("answer"))
     assert msg.stop_reason == "end_turn"
     assert [b.type for b in msg.content] == ["thinking", "text"]
-    msg = client.messages.create(model="m", max_tokens=2, messages=[{"role": "user",
-                                 "content": "random text please"}])  # fmt: skip
-    assert msg.stop_reason in ("max_tokens", "end_turn")
+    msg = client.messages.create(model="m", max_tokens=2, messages=ask("long"))
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 2
 
 
 def test_history_blocks_system_and_count_tokens(client: anthropic.Anthropic):

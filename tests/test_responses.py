@@ -207,7 +207,7 @@ def test_what_codex_sends_is_served_and_unrunnable_tools_left_out(main_server: S
     assert final["output"][1]["content"][0]["text"] == "The answer is 42."
     assert final["output"][0]["summary"][0]["text"] == "Reasoning here."
     assert final["prompt_cache_key"] == "0a1b" and final["tools"] == CODEX_TOOLS[:1]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # hang guard
     while "multi_agent_v1" not in main_server.output() and time.monotonic() < deadline:
         time.sleep(0.05)
     line = next(x for x in main_server.log if "left out of the prompt" in x)
@@ -314,7 +314,7 @@ def test_a_client_that_goes_away_aborts_its_response(main_server: Server):
         for n, _ in enumerate(r.iter_lines()):
             if n >= 12:
                 break  # the client goes away mid-stream
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # hang guard
     while time.monotonic() < deadline:
         stats = httpx.get(main_server.url + "/get_server_info").json()["internal_states"][0]
         aborted = metric(main_server, "sglang:num_aborted_requests_total")

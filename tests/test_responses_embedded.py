@@ -12,6 +12,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import agents
@@ -66,7 +69,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     (folder / "generation_config.json").write_text(json.dumps(config | {"temperature": 0.0}))
     # room for Codex's first prompt (~14k tokens); one engine thread, as on the other test servers
     # (two threads on a loaded 2-core machine spent many times the CPU time on that prefill)
-    flags = ["--served-model-name", "default", "--max-total-tokens", "32768", "--enable-metrics"]
+    flags = ["--served-model-name", "default", "--max-total-tokens", "32768"]
     with running_server(folder, *flags) as server:
         yield server
 
@@ -190,28 +193,114 @@ def run_codex(codex: str, home: Path, work: Path, *args: str) -> tuple[str, str]
     return printed, last.read_text()
 
 
+class RecordingProxy:
+    """An HTTP proxy in front of the server (a thread, on an OS-picked port) that keeps the body
+    of each `/v1/responses` request and forwards every request, streaming the answer back, so
+    the test can see exactly what Codex sent and replay it."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.bodies: list[dict] = []
+        handler = type("Handler", (_Forward,), {"proxy": self})
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.base = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class _Forward(BaseHTTPRequestHandler):
+    """One request, forwarded to `proxy.upstream`; the answer streams back until it ends (HTTP/1.0:
+    the connection closes after it, so no length is needed)."""
+
+    proxy: RecordingProxy
+
+    def do_GET(self) -> None:
+        self._forward(None)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        if self.path.endswith("/responses"):
+            self.proxy.bodies.append(json.loads(body))
+        self._forward(body)
+
+    def _forward(self, body: bytes | None) -> None:
+        headers = {"content-type": self.headers.get("content-type", "application/json")}
+        with httpx.stream(self.command, self.proxy.upstream + self.path, content=body,
+                          headers=headers, timeout=900) as r:  # fmt: skip  # hang guard
+            self.send_response(r.status_code)
+            self.send_header("content-type", r.headers.get("content-type", "text/plain"))
+            self.end_headers()
+            for chunk in r.iter_raw():
+                self.wfile.write(chunk)
+                self.wfile.flush()
+
+    def log_message(self, *args: object) -> None:
+        pass  # quiet: pytest shows the server's log on failure
+
+
+def replay(server: Server, body: dict) -> dict:
+    """The server's (non-streamed) response to `body`, as Codex sent it."""
+    r = httpx.post(server.base + "/responses", json=body | {"stream": False}, timeout=900)
+    assert r.status_code == 200, r.text  # ^ hang guard
+    return r.json()
+
+
+def output_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")  # fmt: skip
+
+
+def item_texts(body: dict) -> list[str]:
+    """The text of each input item (a message's parts, a reasoning item's content)."""
+    texts = []
+    for item in body["input"]:
+        parts = item.get("content") or []
+        texts.append(parts if isinstance(parts, str) else
+                     "".join(p.get("text", "") for p in parts))  # fmt: skip
+    return texts
+
+
+@pytest.fixture
+def proxy(server: Server) -> Iterator[RecordingProxy]:
+    proxy = RecordingProxy(server.url)
+    yield proxy
+    proxy.close()
+
+
 @pytest.mark.timeout(1500)  # a loaded 2-core machine: the first prefill alone took 259 s once
-def test_codex_exec_answers_then_continues_its_session(server: Server, tmp_path: Path):
+def test_codex_exec_answers_then_continues_its_session(
+    server: Server, proxy: RecordingProxy, tmp_path: Path
+):
+    """Codex's final message of each turn is the server's (greedy) answer to what Codex sent,
+    and its resumed turn sends the first turn's question and answer back, which the server
+    renders into the prompt."""
     codex = codex_binary()
     home, work = tmp_path / "codex_home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
-    (home / "config.toml").write_text(CODEX_CONFIG.format(base=server.base))
-    prompt = lambda: metric(server, "sglang:prompt_tokens_total")  # noqa: E731
-    before = prompt()
-    printed, message = run_codex(codex, home, work, "What is 15% of 240?")
-    first_prompt = prompt() - before
-    assert message.strip() and first_prompt > 5000  # Codex's own instructions and tools
+    (home / "config.toml").write_text(CODEX_CONFIG.format(base=proxy.base))
+    first_question, second_question = "What is 15% of 240?", "And what is 10% of 50?"
+    printed, first_message = run_codex(codex, home, work, first_question)
+    assert len(proxy.bodies) == 1 and first_question in item_texts(proxy.bodies[0])[-1]
+    first = replay(server, proxy.bodies[0])
+    assert first_message == output_text(first) != ""  # Codex printed the server's answer
+    assert first["usage"]["input_tokens"] > 5000  # Codex's own instructions and tools
     session = re.search(r"session id: (\S+)", printed).group(1)
-    cached = metric(server, "sglang:cached_tokens_total")
-    printed, message = run_codex(codex, home, work, "resume", session, "And what is 10% of 50?")
-    assert message.strip() and f"session id: {session}" in printed
-    second_prompt = prompt() - before - first_prompt
-    assert second_prompt > first_prompt  # the first turn is in the history it resent
-    assert metric(server, "sglang:cached_tokens_total") - cached > 0.9 * first_prompt
-
-
-def metric(server: Server, name: str) -> float:
-    text = httpx.get(server.url + "/metrics").text
-    samples = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-    return sum(float(value) for value in samples)
+    printed, second_message = run_codex(codex, home, work, "resume", session, second_question)
+    assert f"session id: {session}" in printed and len(proxy.bodies) == 2
+    resent = proxy.bodies[1]
+    texts = item_texts(resent)
+    assert second_question in texts[-1] and first_question in "".join(texts[:-1])
+    assert first_message in texts[:-1]  # Codex resent its first answer...
+    second = replay(server, resent)
+    assert second_message == output_text(second) != ""
+    own = [
+        i for i in resent["input"] if i.get("type") != "reasoning" and i.get("role") != "assistant"
+    ]
+    without = replay(server, resent | {"input": own})
+    # ...and the server rendered it (the first turn's output items are in the prompt)
+    assert second["usage"]["input_tokens"] > without["usage"]["input_tokens"]
+    assert second["usage"]["input_tokens_details"]["cached_tokens"] > 5000  # the first turn's
