@@ -5,7 +5,7 @@
 #     brings its own), then the package with its test extras;
 #   - NIXL without its CUDA torch (UCX is bundled), Mooncake's non-CUDA build;
 #   - system packages (apt-get, as root or through sudo): a C++ compiler for the native decode
-#     layers, Chromium for the console's browser tests, Node.js/npm for the Codex CLI (pinned,
+#     layers, Chromium and curl for the console's browser tests, Node.js/npm for the Codex CLI (pinned,
 #     into .ci/node), and the libraries Mooncake's engine.so
 #     links (libibverbs.so.1 with libnl-3/libnl-route-3, libnuma.so.1, libcurl.so.4);
 # then it checks each piece imports or runs, and exits non-zero naming what is missing.
@@ -20,7 +20,7 @@ fi
 "${PIP[@]}" --no-deps "nixl-cu12==1.5.1"
 "${PIP[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 
-SYSTEM=(g++ chromium libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
+SYSTEM=(g++ curl chromium libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
 if command -v dpkg-query >/dev/null && command -v apt-get >/dev/null; then
     missing=()
     for package in "${SYSTEM[@]}"; do

@@ -95,7 +95,7 @@ HOLD = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
-os.pwrite(fd, f"{os.getpid()} {time.time() - 7}\\n".encode(), 0)
+os.pwrite(fd, f"{os.getpid()} {time.time() - 7}\\n".encode(), 0)  # taken 7 s ago: a time stamp
 print("held", flush=True)
 time.sleep(60)
 """
@@ -128,7 +128,7 @@ def test_a_dead_owners_lock_is_taken_over_and_its_leftovers_cleared(extensions, 
     folder.mkdir(parents=True)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that is gone
-    (folder / "dsaserve.lock").write_text(f"{dead.pid} {time.time() - 30}\n")
+    (folder / "dsaserve.lock").write_text(f"{dead.pid} {time.time() - 30}\n")  # a time stamp
     (folder / "lock").touch()  # torch's baton, left by a killed build: nobody holds it
     orphan = subprocess.Popen(["sleep", "60"], cwd=folder, start_new_session=True)  # "compiler"
     try:
