@@ -3,7 +3,11 @@ disconnects at any stage free the request's KV (field reports §4 and I39)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -83,21 +87,61 @@ def test_other_routes_reject_bad_input(main_server: Server):
     assert httpx.post(url + "/abort_request", json={}).status_code == 400
 
 
-def _idle(url: str, baseline: int, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
+def _stats(url: str) -> dict:
+    return httpx.get(url + "/get_server_info").json()["internal_states"][0]
+
+
+def _idle(url: str, baseline: int | None = None) -> dict:
+    """The engine's stats once nothing runs or waits and (given a baseline) its KV is back to
+    it; the last stats seen at the hang guard, for the caller's assertions to name."""
+    deadline = time.monotonic() + 120  # hang guard
     while True:
-        stats = httpx.get(url + "/get_server_info").json()["internal_states"][0]
+        stats = _stats(url)
         idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
-        if idle and stats["kv_used_tokens"] <= baseline or time.monotonic() > deadline:
+        freed = baseline is None or stats["kv_used_tokens"] <= baseline
+        if idle and freed or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
 
 
+def _give_up_once_running(url: str, body: dict) -> None:
+    """A non-streaming client that sends `body` and goes away once the engine runs it (seen in
+    its stats, so mid-prefill or mid-decode), before any answer came back."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection((host, int(port))) as client:
+        client.sendall(head.encode() + data)
+        deadline = time.monotonic() + 120  # hang guard
+        while _stats(url)["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            answer = client.recv(4000)
+            assert answer == b"", f"answered before the client went away: {answer}"
+    assert time.monotonic() < deadline, "the request never ran"
+
+
+@contextlib.contextmanager
+def paced(url: str) -> Iterator[None]:
+    """A scripted long answer streaming alongside: while it runs, every engine step sleeps 5 ms
+    (tests/scripted_engine.py), so a 900-token request runs for at least 4.5 s on any machine and
+    is still running when the test looks at it (one pacer lives at least 37 s). It is not counted
+    in the engine's stats."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "go [[script:long]]"}],
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as pacer:
+        next(pacer.iter_lines())  # it runs; it is aborted when this block leaves
+        yield
+
+
 def test_disconnects_free_kv(main_server: Server):
     """Each disconnect stops its request at once: the KV is back and fewer than its 900 tokens
-    were generated (with ignore_eos, one run to the end makes exactly 900, in about a second)."""
+    were generated (with ignore_eos, one run to the end makes exactly 900)."""
     url = main_server.url
-    stats = _idle(url, 0, timeout=5)
+    stats = _idle(url)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     baseline = stats["kv_used_tokens"]
     body = {"model": "m", "messages": [{"role": "user", "content": "tell me a long story"}],
             "max_tokens": 900, "ignore_eos": True}  # fmt: skip
@@ -111,28 +155,34 @@ def test_disconnects_free_kv(main_server: Server):
         return after
 
     for i in range(6):  # mid-stream disconnects
-        with httpx.stream("POST", url + "/v1/chat/completions", json=body | {"stream": True},
-                          timeout=60) as r:  # fmt: skip
+        with paced(url), httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                                      json=body | {"stream": True}) as r:  # fmt: skip
             for n, _ in enumerate(r.iter_lines()):
                 if i == 0 and n == 2:  # while it runs, it holds KV
-                    busy = httpx.get(url + "/get_server_info").json()["internal_states"][0]
+                    busy = _stats(url)
                     assert busy["num_running"] == 1 and busy["kv_used_tokens"] > baseline, busy
                 if n >= 2 + i:
                     break
+            assert n == 2 + i  # it went away mid-stream, not after the end
         stats = stopped_early(stats)
     for _ in range(4):  # non-streaming clients that give up (mid-prefill or mid-decode)
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(url + "/v1/chat/completions", json=body, timeout=0.15)
+        with paced(url):
+            _give_up_once_running(url, body)
         stats = stopped_early(stats)
 
 
 def test_duplicate_rid_is_refused_without_harming_the_first(main_server: Server):
     url = main_server.url + "/v1/chat/completions"
-    # long enough that the first is still running when the second arrives
-    body = {"model": "m", "messages": USER, "max_tokens": 900, "ignore_eos": True, "rid": "dup"}
-    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=60) as first:
+    # the scripted long answer sleeps 5 ms a step: 1000 steps keep the first in flight for at
+    # least 5 s on any machine, so the second arrives while it runs
+    body = {"model": "m", "messages": [{"role": "user", "content": "go [[script:long]]"}],
+            "max_tokens": 1000, "rid": "dup"}  # fmt: skip
+    with httpx.stream("POST", url, json=body | {"stream": True}, timeout=120) as first:
         lines = filter(None, first.iter_lines())
         next(lines)
         second = httpx.post(url, json=body, timeout=60)
         assert second.status_code == 400 and second.json()["error"]["param"] == "rid"
-        assert list(lines)[-1] == "data: [DONE]"
+        rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    last = json.loads(rest[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] == "length", last  # it ran to its max_tokens

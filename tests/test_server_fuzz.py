@@ -198,7 +198,7 @@ def test_fuzz_route(client: httpx.Client, path: str, request: pytest.FixtureRequ
 
 
 def test_idle_after_fuzzing(client: httpx.Client):
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # hang guard
     while True:
         stats = client.get("/get_server_info").json()["internal_states"][0]
         if stats["num_running"] == stats["num_waiting"] == 0 or time.monotonic() > deadline:
