@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from dsaserve.assets import default_model_path
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -155,6 +157,17 @@ def _wait_ready(server: Server) -> str:
     if not found:
         raise RuntimeError(f"server did not start:\n{server.output()}")
     return found[0]
+
+
+def wait_unhealthy(server: Server) -> str:
+    """/health's 503 message, once it answers 503 (a stopped or lost rank misses its heartbeats
+    for runtime/heartbeat.py's STALE_S)."""
+    deadline = time.monotonic() + 60  # hang guard
+    while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "a rank is stopped or gone, /health still 200"
+        time.sleep(0.1)
+    assert answer.status_code == 503, answer.text
+    return answer.json()["error"]["message"]
 
 
 def stop_group(process: subprocess.Popen, timeout: float = 20.0) -> None:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_harness import children, group_members, running_server
+from server_harness import children, group_members, running_server, wait_unhealthy
 from speculative_models import make_mtp_checkpoint
 
 PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(6)]
@@ -164,17 +164,6 @@ def kill_a_rank_mid_load_back(server) -> None:
         time.sleep(0.2)
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
     assert not left
-
-
-def wait_unhealthy(server) -> str:
-    """/health's 503 message, once it answers 503 (a stopped rank misses its heartbeats for
-    runtime/heartbeat.py's STALE_S)."""
-    deadline = time.monotonic() + 60  # hang guard
-    while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
-        assert time.monotonic() < deadline, "a rank is stopped, /health still 200"
-        time.sleep(0.1)
-    assert answer.status_code == 503, answer.text
-    return answer.json()["error"]["message"]
 
 
 def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):

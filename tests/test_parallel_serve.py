@@ -22,7 +22,13 @@ import httpx
 import openai
 import pytest
 from proc_sockets import alive
-from server_harness import children, group_members, running_server, stop_group
+from server_harness import (
+    children,
+    group_members,
+    running_server,
+    stop_group,
+    wait_unhealthy,
+)
 from speculative_models import make_mtp_checkpoint
 from tiny_models import make_checkpoint
 
@@ -133,16 +139,6 @@ def assert_engine_dead(error: openai.APIError) -> None:
     assert type(error) in (openai.APIError, openai.InternalServerError), repr(error)
     assert isinstance(error.body, dict) and error.body.get("code") == "engine_dead", error.body
     assert "engine unavailable" in error.message, error.message
-
-
-def wait_unhealthy(server) -> str:
-    """/health's 503 message, once it answers 503."""
-    deadline = time.monotonic() + 60  # hang guard
-    while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
-        assert time.monotonic() < deadline, "/health still 200"
-        time.sleep(0.1)
-    assert answer.status_code == 503, answer.text
-    return answer.json()["error"]["message"]
 
 
 def engine_pids(server) -> list[int]:
