@@ -168,12 +168,14 @@ def _answer(sock: socket.socket) -> bytes:
 def test_stalled_clients_are_capped_without_threads() -> None:
     """Past the 64-connection cap a stalled client is answered 503 and closed, by the one loop
     (no thread per client). The header timeout here outlasts the test, so the first 64 stay open
-    however slowly the 300 connect, and every one of the last 100 is over the cap."""
+    however slowly the 300 connect, and every one of the last 100 is over the cap. Those 100 send
+    nothing: bytes sent to a socket the server has closed make its kernel reset the connection,
+    which can drop the 503 before the client reads it."""
     server = bootstrap.BootstrapServer("127.0.0.1", 0, SECRET, header_timeout=600.0)
     threads = threading.active_count()
     stalled = [_connect(server.port) for _ in range(300)]
     try:
-        for sock in stalled:
+        for sock in stalled[:200]:
             with contextlib.suppress(ConnectionError):
                 sock.sendall(b"PUT /route HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
         assert threading.active_count() <= threads + 1  # uvicorn: one loop, no thread per client
