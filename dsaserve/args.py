@@ -40,6 +40,9 @@ class ServerArgs:
     # model and tokenizer
     model_path: str = field(default_factory=lambda: str(default_model_path()))
     tokenizer_path: str | None = None
+    revision: str | None = None  # of a Hub id (runtime/hub.py)
+    download_dir: str | None = None
+    model_id: str | None = None  # not a flag: the Hub id --model-path named, once resolved
     served_model_name: str | None = None
     dtype: str = "auto"
     context_length: int | None = None
@@ -286,8 +289,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     """Declare every `dsaserve serve` flag (SGLang's names; aliases as SGLang accepts them)."""
     f = lambda name, *aliases, **kw: _flag(parser, name, *aliases, **kw)  # noqa: E731
     on = {"action": "store_true"}
-    f("--model-path", "--model", help="checkpoint folder (default: the embedded model)")
-    f("--tokenizer-path")
+    f("--model-path", "--model", help="checkpoint folder or Hub id (default: the embedded model)")
+    f("--tokenizer-path", help="tokenizer folder or Hub id (default: the model's)")
+    f("--revision", help="branch, tag or commit of a Hub id (default: main)")
+    f("--download-dir", help="Hugging Face cache for Hub ids (default: $HF_HUB_CACHE)")
     f("--served-model-name")
     f("--dtype", choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
     f("--context-length", type=int)
@@ -306,12 +311,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--enable-metrics", **on)
     f("--enable-cache-report", action="store_true", default=True, help="the default (kept "
       "for SGLang command lines)")  # fmt: skip
-    parser.add_argument(
-        "--disable-cache-report",
-        dest="enable_cache_report",
-        action="store_false",
-        help="omit cached-token counts from usage",
-    )
+    parser.add_argument("--disable-cache-report", dest="enable_cache_report", action="store_false",
+                        help="omit cached-token counts from usage")  # fmt: skip
     f("--grammar-backend", choices=["xgrammar", "llguidance", "none"])
     f(
         "--keep-anthropic-billing-header",

@@ -153,7 +153,8 @@ def _add_admin_routes(route: Callable, state: ServerState) -> None:
     @route("/get_model_info", ["GET"], gate=STARTED)
     async def model_info(state: ServerState, request: Request) -> Any:
         tm = state.tokenizer_manager
-        return {"model_path": state.args.model_path, "tokenizer_path": state.args.tokenizer_path,
+        return {"model_path": state.args.model_id or state.args.model_path,
+                "tokenizer_path": state.args.tokenizer_path,
                 "served_model_name": tm.model_name if tm else None,
                 "is_generation": True, "context_length": tm.context_length if tm else None,
                 "model_type": "glm_moe_dsa"}  # fmt: skip
@@ -304,7 +305,7 @@ def _owns(rid: str, engine_rid: str) -> bool:
 def _model_card(state: ServerState) -> dict:
     tm = state.tokenizer_manager
     return {"id": tm.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "dsaserve", "root": state.args.model_path,
+            "owned_by": "dsaserve", "root": state.args.model_id or state.args.model_path,
             "max_model_len": tm.context_length}  # fmt: skip
 
 

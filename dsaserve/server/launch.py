@@ -22,6 +22,7 @@ from dsaserve.cluster.secret import cluster_secret
 from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.runtime import ipc
 from dsaserve.runtime.heartbeat import Heartbeats
+from dsaserve.runtime.hub import resolve_checkpoints
 from dsaserve.runtime.node import serve_node
 from dsaserve.runtime.preflight import preflight
 from dsaserve.server.app import build_app
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
     EngineFactory, runtime/engine_process.py; picklable): by default the engine in its
     --disaggregation-mode role; a test passes its own double."""
     try:
-        args = ServerArgs.from_cli(argv)
+        args = resolve_checkpoints(ServerArgs.from_cli(argv), say)  # Hub ids: once, here
         for note in preflight(args):  # every flag, once, before any process starts
             print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
         if args.node_rank > 0:
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s: %(message)s")
     return asyncio.run(serve(args, tokenizer, engine_factory))
+
+
+def say(phase: str) -> None:
+    """A start-up phase, on stderr as it begins."""
+    print(f"dsaserve serve: {phase}", file=sys.stderr, flush=True)
 
 
 def load_tokenizer(args: ServerArgs) -> Any:

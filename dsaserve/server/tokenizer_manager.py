@@ -66,7 +66,7 @@ class TokenizerManager:
         )
         self.tool_parser = resolve_tool_parser(args.tool_call_parser, self.template, model_type)
         self.default_kwargs = args.chat_template_defaults()
-        self.model_name = args.served_model_name or Path(args.model_path).name
+        self.model_name = args.served_model_name or args.model_id or Path(args.model_path).name
         self.structured = StructuredOutput(args.grammar_backend, tokenizer.get_vocab())
 
     # ---- chat

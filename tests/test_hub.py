@@ -1,0 +1,149 @@
+"""Checkpoints named as users name them: Hugging Face Hub ids, resolved through a Hub stand-in on
+loopback (tests/hub_standin.py) with `HF_ENDPOINT` pointed at it and an empty `HF_HOME`.
+
+`dsaserve serve --model-path zai-org/GLM-5.3` downloads only what a server reads, serves it and
+reports the id; a second start, offline and with the stand-in gone, serves the same snapshot from
+the cache; `--revision`, `--download-dir`, `--tokenizer-path` and
+`--speculative-draft-model-path` resolve the same way; an id that is neither cached nor reachable
+(unknown, private without a token, offline, no Hub) is one error line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from deepseek_checkpoint import make_deepseek_server_checkpoint
+from hub_standin import TOKEN, hub_env, running_hub
+from server_harness import HANG_GUARD_S, running_command
+
+from dsaserve.runtime.hub import is_repo_id
+
+GLM, DEEPSEEK = "zai-org/GLM-5.3", "deepseek-ai/DeepSeek-V3.2"
+UNNEEDED = ("README.md", "original/consolidated.bin")  # in the repo, never read by a server
+
+
+@pytest.fixture(scope="module")
+def repos(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hub_repos")
+    glm = Path(shutil.copytree(server_checkpoint, root / "glm"))
+    (glm / "original").mkdir()
+    (glm / "original" / "consolidated.bin").write_bytes(b"\0" * 4096)
+    (glm / "README.md").write_text("a model card\n")
+    return {GLM: glm, DEEPSEEK: make_deepseek_server_checkpoint(root / "deepseek")}
+
+
+def serve_command(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "dsaserve.cli", "serve", *flags, "--port", "0",
+            "--max-total-tokens", "4096", "--page-size", "16"]  # fmt: skip
+
+
+def server_env(env: dict) -> dict:
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def chat(base: str) -> str:
+    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=HANG_GUARD_S)
+    assert [m.id for m in client.models.list().data] == [GLM]
+    reply = client.chat.completions.create(
+        model=GLM, messages=[{"role": "user", "content": "Hello"}], max_tokens=6, temperature=0
+    )
+    assert reply.model == GLM and reply.usage.completion_tokens > 0
+    return reply.choices[0].message.content or ""
+
+
+def test_repo_ids_and_folders() -> None:
+    assert is_repo_id(GLM) and is_repo_id("gpt2") and is_repo_id("org/name-1.5_b")
+    assert not is_repo_id(str(Path(__file__).parent))  # a folder here
+    for path in ("/models/GLM-5.3", "./GLM-5.3", "~/GLM", "a/b/c", "org/", "bad id"):
+        assert not is_repo_id(path), path
+
+
+def test_serve_a_hub_id_then_offline_from_the_cache(repos: dict, tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    with running_hub(repos) as hub:
+        env = server_env(hub_env(os.environ, hub.url, home))
+        with running_command(serve_command("--model-path", GLM), env) as server:
+            first = chat(server.base)
+            info = httpx.get(server.url + "/get_model_info", timeout=HANG_GUARD_S).json()
+            served_from = httpx.get(server.url + "/get_server_info").json()["model_path"]
+        fetched = hub.fetched()
+    assert info["model_path"] == GLM and info["served_model_name"] == GLM
+    snapshot = home / "hub" / "models--zai-org--GLM-5.3" / "snapshots" / hub.sha[GLM]
+    assert Path(served_from) == snapshot  # every process read the resolved snapshot
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
+            "generation_config.json"} <= fetched  # fmt: skip
+    assert not fetched & set(UNNEEDED)
+    log = server.output()
+    for phase in (f"resolving --model-path {GLM}", f"downloading {GLM} from {hub.url}",
+                  f"{GLM}: downloaded"):  # fmt: skip
+        assert phase in log, log
+    offline = server_env(hub_env(os.environ, hub.url, home, offline=True))  # the stand-in is gone
+    with running_command(serve_command("--model-path", GLM), offline) as again:
+        assert chat(again.base) == first
+    assert f"{GLM}: found in the cache: {snapshot}" in again.output()
+
+
+RESOLVE = """
+import json, sys
+from dsaserve.args import ServerArgs
+from dsaserve.runtime.hub import resolve_checkpoints
+args = resolve_checkpoints(ServerArgs.from_cli(sys.argv[1:]), lambda line: None)
+print(json.dumps([args.model_path, args.model_id, args.tokenizer_path,
+                  args.speculative_draft_model_path]))
+"""
+
+
+def test_revision_download_dir_tokenizer_and_drafter_ids(repos: dict, tmp_path: Path) -> None:
+    home, cache = tmp_path / "hf", tmp_path / "downloads"
+    with running_hub(repos) as hub:
+        flags = ["--model-path", DEEPSEEK, "--revision", hub.sha[DEEPSEEK],
+                 "--download-dir", str(cache), "--tokenizer-path", GLM,
+                 "--speculative-draft-model-path", GLM]  # fmt: skip
+        run = subprocess.run([sys.executable, "-c", RESOLVE, *flags], capture_output=True,
+                             text=True, env=hub_env(os.environ, hub.url, home),
+                             timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+        assert run.returncode == 0, run.stderr
+    model, model_id, tokenizer, drafter = json.loads(run.stdout)
+    assert Path(model) == cache / "models--deepseek-ai--DeepSeek-V3.2/snapshots" / hub.sha[DEEPSEEK]
+    assert model_id == DEEPSEEK
+    assert json.loads((Path(model) / "config.json").read_text())["model_type"] == "deepseek_v32"
+    assert Path(tokenizer).parent.parent.name == "models--zai-org--GLM-5.3"
+    assert (Path(tokenizer) / "tokenizer.json").is_file()
+    assert (Path(drafter) / "model.safetensors").is_file()  # tokenizer files alone did not do
+    assert not (home / "hub").exists()  # --download-dir, not HF_HOME
+
+
+def test_unresolvable_ids_exit_2_with_one_line(repos: dict, tmp_path: Path) -> None:
+    with running_hub(repos, private=(DEEPSEEK,)) as hub:
+        online = hub_env(os.environ, hub.url, tmp_path / "hf")
+        cases = [
+            ("zai-org/No-Such-Model", online, "has no such model"),
+            (DEEPSEEK, online, "needs a token (401/404)"),  # private, no HF_TOKEN
+            (GLM, hub_env(os.environ, hub.url, tmp_path / "hf", offline=True), "HF_HUB_OFFLINE"),
+        ]
+        for model, env, reason in cases:
+            expect_refusal(model, env, reason)
+        with_token = {**online, "HF_TOKEN": TOKEN}
+        run = subprocess.run([sys.executable, "-c", RESOLVE, "--model-path", DEEPSEEK],
+                             capture_output=True, text=True, env=with_token,
+                             timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+        assert run.returncode == 0, run.stderr  # the token opens it
+    expect_refusal(GLM, online, "cannot be reached")  # the stand-in's port is closed now
+
+
+def expect_refusal(model: str, env: dict, reason: str) -> None:
+    run = subprocess.run(serve_command("--model-path", model), capture_output=True, text=True,
+                         env=env, timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+    errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    assert run.returncode == 2, run.stderr
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert errors[0].startswith(f"dsaserve serve: error: --model-path {model}: "), errors
+    assert reason in errors[0], errors
