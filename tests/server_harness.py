@@ -18,9 +18,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -34,6 +35,8 @@ BUILD_TIMEOUT_S = 600  # more, while the start says it is building (kernels/nati
 BUILD_START = re.compile(r"building the native decode layers|waiting for another build")
 BUILD_END = re.compile(r"built the native decode layers|native CPU decode unavailable")
 CONTEXT_LENGTH = 1024
+HANG_GUARD_S = 120.0
+T = TypeVar("T")
 
 
 def make_server_checkpoint(folder: Path, seed: int = 0) -> Path:
@@ -159,13 +162,26 @@ def _wait_ready(server: Server) -> str:
     return found[0]
 
 
+def wait_for(predicate: Callable[[], T], what: str, timeout: float = HANG_GUARD_S,
+             poll: float = 0.05) -> T:  # fmt: skip
+    """Poll `predicate` until it returns something truthy and return that. `timeout` is a hang
+    guard (a condition that never comes fails the test, naming `what`), never a bound on speed."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"waited {timeout:.0f}s, never saw: {what}"
+        time.sleep(poll)
+    return value
+
+
 def wait_unhealthy(server: Server) -> str:
     """/health's 503 message, once it answers 503 (a stopped or lost rank misses its heartbeats
     for runtime/heartbeat.py's STALE_S)."""
-    deadline = time.monotonic() + 60  # hang guard
-    while (answer := httpx.get(server.url + "/health", timeout=10)).status_code == 200:
-        assert time.monotonic() < deadline, "a rank is stopped or gone, /health still 200"
-        time.sleep(0.1)
+
+    def unhealthy() -> httpx.Response | None:
+        answer = httpx.get(server.url + "/health", timeout=10)
+        return answer if answer.status_code != 200 else None
+
+    answer = wait_for(unhealthy, "a rank is stopped or gone, /health still 200")
     assert answer.status_code == 503, answer.text
     return answer.json()["error"]["message"]
 
