@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -97,6 +98,7 @@ def running_server(
     env: dict | None = None,
     scripts: Path | None = None,
     real_engine: bool = True,
+    while_starting: Callable[[Server], None] | None = None,
 ) -> Iterator[Server]:
     """A `dsaserve serve` subprocess on a free port; always stopped (process group) at exit.
     With `scripts` (or `real_engine=False`) its engine process drives tests/scripted_engine.py's
@@ -109,24 +111,33 @@ def running_server(
         serve = [sys.executable, str(Path(__file__).with_name("scripted_serve.py")), *double]
     command = [*serve, *model_flags, "--port", "0", "--max-total-tokens", "4096",
                "--page-size", "16", *flags]  # fmt: skip
-    with running_command(command, full_env) as server:
+    with running_command(command, full_env, while_starting) as server:
         yield server
 
 
 @contextlib.contextmanager
-def running_command(command: list[str], env: dict) -> Iterator[Server]:
+def running_command(
+    command: list[str], env: dict, while_starting: Callable[[Server], None] | None = None
+) -> Iterator[Server]:
     """`command` (a `dsaserve serve ... --port 0` line) in its own process group, once it says it
-    is ready; the whole group stopped when the block exits, even on failure."""
+    is ready; the whole group stopped when the block exits, even on failure. `while_starting`
+    runs once the process is started, while the harness waits for "ready" (it may start what the
+    server needs before it can be ready: node 1 of a two-node layout)."""
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
     server = Server("", process)
+    waiter = ThreadPoolExecutor(1)
     try:
-        server.url = _wait_ready(server)
+        ready = waiter.submit(_wait_ready, server)
+        if while_starting is not None:
+            while_starting(server)
+        server.url = ready.result()
         yield server
     finally:
         stop_group(process)
+        waiter.shutdown(wait=False)
 
 
 def _wait_ready(server: Server) -> str:

@@ -11,22 +11,26 @@ checked empty after.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from proc_sockets import alive
 from server_harness import (
+    START_TIMEOUT_S,
+    Server,
     children,
     group_members,
     running_server,
     stop_group,
+    wait_for,
     wait_unhealthy,
 )
 from speculative_models import make_mtp_checkpoint
@@ -40,6 +44,8 @@ CACHED = LONG[:32] + [9, 8, 7, 6]  # two cached pages of 16
 NEW = 6
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "16", "--watchdog-timeout", "60"]
 EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
+NODE0_ADDR = "127.0.0.1:0"  # node 0 takes a port from the OS and prints it (Node1 reads it)
+RENDEZVOUS = re.compile(r"rendezvous on (\S+) ")
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +96,8 @@ def check_layout(server, expected) -> dict:
 
 
 def assert_gone(pids: list[int]) -> None:
-    deadline = time.monotonic() + 60  # hang guard
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, [pid for pid in pids if alive(pid)]
-        time.sleep(0.2)
+    wait_for(lambda: not any(alive(pid) for pid in pids),
+             f"{[pid for pid in pids if alive(pid)]} gone")  # fmt: skip
 
 
 def disconnect_mid_stream(server) -> None:
@@ -105,11 +109,8 @@ def disconnect_mid_stream(server) -> None:
         for n, _ in enumerate(r.iter_lines()):
             if n >= 2:
                 break
-    deadline = time.monotonic() + 60  # hang guard
-    while httpx.get(server.url + "/get_server_info", timeout=30).json()["internal_states"][0][
-            "num_running"]:  # fmt: skip
-        assert time.monotonic() < deadline, "the disconnected request still runs"
-        time.sleep(0.1)
+    wait_for(lambda: not httpx.get(server.url + "/get_server_info", timeout=30).json()[
+        "internal_states"][0]["num_running"], "the disconnected request to end")  # fmt: skip
 
 
 def kill_rank_mid_stream(server, rank_pid: int) -> None:
@@ -238,13 +239,34 @@ def test_offline_llm_drives_the_same_ranks(deepseek):
     assert_gone(ranks)
 
 
-def free_port() -> int:
-    """A port for `--dist-init-addr` that node 1 must be given before node 0 binds it: the
-    product takes no port 0 there yet (each node resolves the address on its own), so this one
-    is probed and closed, a small race with any other process binding that port meanwhile."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class Node1:
+    """Node 1's own command (`--node-rank 1`), started while node 0 starts: node 0 runs
+    `--dist-init-addr 127.0.0.1:0`, holds the port the OS gave it and prints it; node 1 is given
+    that address (no port probed, closed and bound again later)."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
+                        "--max-total-tokens", "4096", "--page-size", "16", *flags,
+                        "--node-rank", "1"]  # fmt: skip
+        self.process: subprocess.Popen | None = None
+
+    def __call__(self, node0: Server) -> None:
+        def address() -> str | None:
+            assert node0.process.poll() is None, node0.output()
+            found = RENDEZVOUS.search(node0.output())
+            return found and found.group(1)
+
+        where = wait_for(address, "node 0's rendezvous address", timeout=START_TIMEOUT_S)
+        self.process = subprocess.Popen(
+            [*self.command, "--dist-init-addr", where], start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_group(self.process)
+            assert not group_members(self.process.pid)
 
 
 def hang_rank(server) -> None:
@@ -272,10 +294,8 @@ def stop_node1_rank(server, rank_pid: int) -> None:
         assert "no heartbeat from rank 1" in wait_unhealthy(server)
     finally:
         os.kill(rank_pid, signal.SIGCONT)
-    deadline = time.monotonic() + 60  # hang guard
-    while httpx.get(server.url + "/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, "node 1's rank beats again, /health stays 503"
-        time.sleep(0.1)
+    wait_for(lambda: httpx.get(server.url + "/health", timeout=10).status_code == 200,
+             "node 1's rank beats again, /health stays 503")  # fmt: skip
 
 
 def test_deepseek_tp_ep_and_two_nodes(deepseek):
@@ -284,49 +304,47 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     with running_server(deepseek, *flags) as server:
         check_layout(server, expected)
         hang_rank(server)
-    addr = f"127.0.0.1:{free_port()}"
-    nodes = ["--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek), *COMMON,
-         "--max-total-tokens", "4096", "--page-size", "16", *nodes, "--node-rank", "1"],
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    nodes = ["--tp", "2", "--nnodes", "2"]
+    node1 = Node1(deepseek, *COMMON, *nodes)
     try:
-        with running_server(deepseek, *COMMON, *nodes, "--node-rank", "0") as server:
+        with running_server(deepseek, *COMMON, *nodes, "--dist-init-addr", NODE0_ADDR,
+                            "--node-rank", "0", while_starting=node1) as server:  # fmt: skip
             check_layout(server, expected)
-            stop_node1_rank(server, children(node1.pid)[0])
-            kill_rank_mid_stream(server, node1.pid)  # node 1 (launcher; its rank follows)
-        assert node1.wait(30) is not None
+            stop_node1_rank(server, children(node1.process.pid)[0])
+            kill_rank_mid_stream(server, node1.process.pid)  # node 1 (launcher; its rank follows)
+        assert node1.process.wait(30) is not None  # hang guard
     finally:
-        stop_group(node1)
-    assert not group_members(node1.pid)
+        node1.stop()
 
 
 def test_dp_attention_across_two_nodes(glm, glm_expected):
     """`--tp 2 --dp 2 --enable-dp-attention --nnodes 2`: group 1's engine runs on node 1 (its
     own command), driven from node 0's controller over TCP; the MoE step spans both nodes.
     kill -9 of node 1 mid-stream: 503, nothing left on either node."""
-    addr = f"127.0.0.1:{free_port()}"
-    nodes = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2",
-             "--dist-init-addr", addr]  # fmt: skip
-    node1 = subprocess.Popen(
-        [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(glm), *COMMON, *EAGLE,
-         "--max-total-tokens", "4096", "--page-size", "16", *nodes, "--node-rank", "1"],
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    nodes = ["--tp", "2", "--dp", "2", "--enable-dp-attention", "--nnodes", "2"]
+    node1 = Node1(glm, *COMMON, *EAGLE, *nodes)
     try:
-        with running_server(glm, *COMMON, *EAGLE, *nodes, "--node-rank", "0") as server:
+        with running_server(glm, *COMMON, *EAGLE, *nodes, "--dist-init-addr", NODE0_ADDR,
+                            "--node-rank", "0", while_starting=node1) as server:  # fmt: skip
             stats = check_layout(server, glm_expected)
             assert all(g["prompt_tokens"] > 0 for g in stats["dp_groups"])  # both groups
             info = httpx.get(server.url + "/get_server_info", timeout=30).json()
-            assert info["dp_group_pids"][1] in group_members(node1.pid)  # group 1 on node 1
-            kill_rank_mid_stream(server, node1.pid)
-        assert node1.wait(30) is not None
+            assert info["dp_group_pids"][1] in group_members(node1.process.pid)  # group 1, node 1
+            kill_rank_mid_stream(server, node1.process.pid)
+        assert node1.process.wait(30) is not None  # hang guard
     finally:
-        stop_group(node1)
-    assert not group_members(node1.pid)
+        node1.stop()
+
+
+def test_port_zero_is_node_0s_alone(deepseek):
+    """Node 0 may take `--dist-init-addr HOST:0` (the two-node tests above do); a later node
+    cannot join a port it was not told."""
+    command = [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(deepseek),
+               "--tp", "2", "--nnodes", "2", "--node-rank", "1",
+               "--dist-init-addr", NODE0_ADDR]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)  # hang guard
+    assert done.returncode == 2, done.stderr
+    assert "port 0 is node 0's" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_unreachable_dist_init_addr_fails_naming_it(deepseek):

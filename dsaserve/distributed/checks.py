@@ -51,11 +51,15 @@ def _check_flags(args: Any, sizes: ParallelSizes) -> None:
                         "does not move context-parallel pools yet; drop one")  # fmt: skip
     if args.dist_init_addr and not _is_host_port(args.dist_init_addr):
         raise ArgsError(f"--dist-init-addr {args.dist_init_addr}: expected HOST:PORT")
+    if args.dist_init_addr and args.node_rank > 0 and args.dist_init_addr.endswith(":0"):
+        raise ArgsError(f"--dist-init-addr {args.dist_init_addr} --node-rank {args.node_rank}: "
+                        "port 0 is node 0's (it picks a port and prints it); give the other "
+                        "nodes that port")  # fmt: skip
 
 
 def _is_host_port(text: str) -> bool:
     host, _, port = text.rpartition(":")
-    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+    return bool(host) and port.isdigit() and 0 <= int(port) < 65536  # 0: node 0 picks
 
 
 def _check_model(sizes: ParallelSizes, config: ModelConfig) -> None:

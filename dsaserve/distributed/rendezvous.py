@@ -50,13 +50,20 @@ class Endpoint:
 
 
 def endpoint(args: Any) -> Endpoint:
-    """--dist-init-addr HOST:PORT, else this host and a port the OS picks."""
+    """--dist-init-addr HOST:PORT, else loopback and port 0 (rank 0's `listen` takes a port the
+    OS picks; on node 0 `--dist-init-addr HOST:0` does the same)."""
     if args.dist_init_addr:
         host, _, port = args.dist_init_addr.rpartition(":")
         return Endpoint(host.strip("[]"), int(port))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return Endpoint("127.0.0.1", probe.getsockname()[1])
+    return Endpoint("127.0.0.1", 0)
+
+
+def listen(where: Endpoint) -> tuple[socket.socket, Endpoint]:
+    """Rank 0: the store's listening socket, bound before any other rank is told the address
+    (a port probed, closed and bound again later could be taken meanwhile), and the endpoint
+    with the port it holds."""
+    listener = _listen(where)
+    return listener, Endpoint(where.host, listener.getsockname()[1])
 
 
 def wait_reachable(where: Endpoint, timeout: float) -> None:
@@ -74,8 +81,10 @@ def wait_reachable(where: Endpoint, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> ParallelState:
-    """Join the process group as `rank` and build this rank's groups."""
+def init_rank(args: Any, rank: int, where: Endpoint, device_type: str,
+              listener: socket.socket | None = None) -> ParallelState:  # fmt: skip
+    """Join the process group as `rank` and build this rank's groups (rank 0: serving the store
+    on `listener`, from `listen`)."""
     sizes = ParallelSizes.from_args(args)
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
@@ -83,7 +92,7 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     timeout = datetime.timedelta(seconds=args.watchdog_timeout)
     _pin_gloo_interface(where.host)
     try:
-        store = rendezvous_store(args, where, rank, sizes.tp, timeout)
+        store = rendezvous_store(args, where, rank, sizes.tp, timeout, listener)
         dist.init_process_group(backend, store=store, rank=rank, world_size=sizes.tp,
                                 timeout=timeout)  # fmt: skip
     except RendezvousError:
@@ -109,16 +118,16 @@ def init_rank(args: Any, rank: int, where: Endpoint, device_type: str) -> Parall
     return state
 
 
-def rendezvous_store(
-    args: Any, where: Endpoint, rank: int, world: int, timeout: datetime.timedelta
-) -> dist.Store:
+def rendezvous_store(args: Any, where: Endpoint, rank: int, world: int,
+                     timeout: datetime.timedelta,
+                     listener: socket.socket | None = None) -> dist.Store:  # fmt: skip
     """The ranks' store: rank 0 serves it on `where` alone, the others connect there. Every key
     lives under a namespace derived from the cluster secret, so a process that reaches the port
     without the secret can neither read nor replace the ranks' entries (their gloo addresses):
     it cannot guess a key, and the store lists none."""
     if rank == 0:
         store = dist.TCPStore(where.host, where.port, world, True, timeout,
-                              master_listen_fd=_listen(where).detach())  # fmt: skip
+                              master_listen_fd=(listener or _listen(where)).detach())  # fmt: skip
     else:
         store = dist.TCPStore(where.host, where.port, world, False, timeout)
     secret = cluster_secret(args)

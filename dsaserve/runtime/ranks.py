@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dsaserve.args import ServerArgs
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.distributed.rendezvous import Endpoint, endpoint, init_rank
+from dsaserve.distributed.rendezvous import Endpoint, endpoint, init_rank, listen
 from dsaserve.runtime.ipc import IpcPaths
 
 WATCH_INTERVAL_S = 0.2
@@ -121,11 +121,18 @@ def start_ranks(
 ) -> LocalRanks:
     """On node 0, from rank 0's process: start ranks 1..ranks_per_node-1, then join as rank 0."""
     sizes = ParallelSizes.from_args(args)
-    where = endpoint(args)
-    children = spawn_ranks(args, range(1, sizes.ranks_per_node), where, paths=paths,
-                           factory=factory)  # fmt: skip
+    listener, where = listen(endpoint(args))
+    if sizes.nnodes > 1:  # with `--dist-init-addr HOST:0` the other nodes learn the port here
+        print(f"dsaserve node 0: rendezvous on {where} (the other nodes: --dist-init-addr "
+              f"{where})", flush=True)  # fmt: skip
     try:
-        parallel = init_rank(args, 0, where, device_type)
+        children = spawn_ranks(args, range(1, sizes.ranks_per_node), where, paths=paths,
+                               factory=factory)  # fmt: skip
+    except BaseException:
+        listener.close()
+        raise
+    try:
+        parallel = init_rank(args, 0, where, device_type, listener)
         share_paths(parallel, paths)
     except BaseException:
         kill_all(children)
