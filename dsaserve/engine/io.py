@@ -27,10 +27,6 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     bootstrap: Bootstrap | None = None  # set only on --disaggregation-mode prefill|decode
 
 
-class AbortRequest(msgspec.Struct, kw_only=True):
-    rid: str
-
-
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float

@@ -59,12 +59,6 @@ class APIError(Exception):
         kind = ANTHROPIC_TYPES.get(self.status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
-    def openai_response(self) -> JSONResponse:
-        return self.response_in("openai")
-
-    def anthropic_response(self) -> JSONResponse:
-        return self.response_in("anthropic")
-
     def response_in(self, api: str) -> JSONResponse:
         """The error answer in `api`'s envelope: "openai", "responses" or "anthropic"."""
         body = {"openai": self.openai_body, "responses": self.responses_body,

@@ -14,7 +14,6 @@ it cannot compile is a 400 naming the field before the engine sees the request.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -78,12 +77,6 @@ class StructuredOutput:
         if len(out) > 1:
             raise bad_request("give one of json_schema, regex, ebnf", prefix + list(out)[1])
         return out
-
-    async def native_fields_async(self, fields: dict, prefix: str = "") -> dict:
-        """`native_fields` off the event loop when there is a grammar to build."""
-        if all(fields.get(kind) is None for kind in ("json_schema", "regex", "ebnf")):
-            return {}
-        return await asyncio.to_thread(self.native_fields, fields, prefix)
 
     def check(self, kind: str, source: str, param: str) -> None:
         if kind not in GRAMMAR_FIELDS:

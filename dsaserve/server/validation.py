@@ -78,13 +78,6 @@ def decode_model(body: bytes, model: type[M], context: dict | None = None) -> M:
         raise validation_error(e) from e
 
 
-def validate_data(data: dict, model: type[M], context: dict | None = None) -> M:
-    try:
-        return model.model_validate(data, context=context)
-    except ValidationError as e:
-        raise validation_error(e) from e
-
-
 def validation_error(error: ValidationError) -> APIError:
     details = error.errors(include_input=False, include_url=False, include_context=False)
     params = [field_path(d["loc"]) for d in details[:MAX_REPORTED_ERRORS]]
