@@ -68,6 +68,7 @@ class ServerArgs:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     skip_server_warmup: bool = False
+    skip_memory_check: bool = False  # runtime/memory_fit.py
     max_request_bytes: int = 32 * 1024 * 1024
     max_n: int = 64
     max_sequences_per_request: int = 256
@@ -325,6 +326,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     f("--shutdown-timeout", type=float)
     f("--log-level", choices=["debug", "info", "warning", "error"])
     f("--skip-server-warmup", **on)
+    f("--skip-memory-check", **on, help="start even if the weights + KV seem not to fit")
     f("--max-request-bytes", type=int)
     f("--max-n", type=int, help="most choices (n) one request may ask for")
     f("--max-sequences-per-request", type=int, help="most prompts x n of one request")

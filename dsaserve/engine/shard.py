@@ -25,6 +25,7 @@ from dsaserve.layers.layer_split import split_kv_cache
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
 from dsaserve.models.fp8_keep import KeptFp8, RankReport, keep_fp8_weights, rank_reports
+from dsaserve.models.load_targets import held_bytes
 from dsaserve.models.loader import load_checkpoint
 
 
@@ -100,14 +101,32 @@ def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device
                ) -> DsaMoeForCausalLM:  # fmt: skip
     """This rank's model (all of it in a single process), loaded and on `device`;
     `before_load` may swap modules first (FP8 Linears kept FP8)."""
-    with torch.device("meta"):
-        model = DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+    model = meta_model(config, with_mtp, parallel)
     if before_load is not None:
         before_load(model)
     load_checkpoint(model, args.model_path, dtype, show_progress=show_progress)
     model.to(device).eval().requires_grad_(False)
     model.rotary.inv_freq = model.rotary.inv_freq.to(device)
     return model
+
+
+def meta_model(config: ModelConfig, with_mtp: bool, parallel: ParallelState) -> DsaMoeForCausalLM:
+    """This rank's model with no storage yet (the loader allocates each tensor as it fills it)."""
+    with torch.device("meta"):
+        return DsaMoeForCausalLM(config, with_mtp=with_mtp, parallel=parallel)
+
+
+def held_weight_bytes(args: ServerArgs, parallel: ParallelState, device: torch.device) -> int:
+    """The bytes of this rank's weights once loaded, in the dtypes the loader keeps (FP8 kept
+    where a kernel runs it, as `build_shard` decides), counted on a meta model: no weight file
+    is opened (runtime/memory_fit.py checks the fit with it before anything loads)."""
+    config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
+    dtype = pick_dtype(args.dtype, config, device)
+    kernels = choose_kernels(args, device.type)
+    spec = speculative_settings(args)
+    model = meta_model(config, bool(spec and spec[0]), parallel)
+    keep_fp8_weights(model, config.quantization, kernels.names, kernels, args.model_path)
+    return held_bytes(model, dtype)
 
 
 def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, stored: torch.dtype) -> int:

@@ -61,6 +61,14 @@ def collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, Target]:
     return by_name
 
 
+def held_bytes(model: nn.Module, dtype: torch.dtype) -> int:
+    """Bytes the loader leaves `model` holding (each tensor once, in the dtype it will be kept
+    in: FP8 where kept, float32 for the router and scales, else `dtype`). Works on a meta model,
+    so the fit check at start (runtime/memory_fit.py) and the load's log use the same count."""
+    unique = {id(t): t for t in collect_targets(model, dtype).values()}
+    return sum(t.tensor.numel() * t.dtype.itemsize for t in unique.values())
+
+
 def storage(target: Target) -> torch.Tensor:
     """The target's tensor, first reallocated (same device) if meta or of another dtype."""
     current = target.tensor

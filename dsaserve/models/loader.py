@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from dsaserve.models.load_targets import (
     Target,
     check_shape,
     collect_targets,
+    held_bytes,
     missing_name,
     storage,
 )
@@ -64,6 +66,9 @@ def load_checkpoint(
         raise CheckpointError(f"load dtype must be a floating torch.dtype, got {dtype!r}")
     folder = Path(path)
     files = find_checkpoint_files(folder)
+    on_disk = sum(file.stat().st_size for file in files)
+    logger.info("loading weights from %s: %d file(s), %d bytes", folder, len(files), on_disk)
+    start = time.monotonic()
     targets = collect_targets(model, dtype)
     loader = _Loader(targets, tensor_locations(files), fp8_block_size(folder))
     with (
@@ -81,6 +86,8 @@ def load_checkpoint(
                     loader.load(name, handle, file)
                     bar.update()
     loader.check_complete(folder)
+    logger.info("loaded weights from %s (%d bytes on disk): %d bytes held, in %.1f s", folder,
+                on_disk, held_bytes(model, dtype), time.monotonic() - start)  # fmt: skip
 
 
 class _Loader:

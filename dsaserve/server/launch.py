@@ -23,6 +23,7 @@ from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.runtime import ipc
 from dsaserve.runtime.heartbeat import Heartbeats
 from dsaserve.runtime.hub import resolve_checkpoints
+from dsaserve.runtime.memory_fit import check_memory_fit
 from dsaserve.runtime.node import serve_node
 from dsaserve.runtime.preflight import preflight
 from dsaserve.server.app import build_app
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
         args = resolve_checkpoints(ServerArgs.from_cli(argv), say)  # Hub ids: once, here
         for note in preflight(args):  # every flag, once, before any process starts
             print(f"dsaserve serve: {note}", file=sys.stderr, flush=True)
+        fit = check_memory_fit(args)  # before a weight file is opened
+        if fit:
+            say(fit)
         if args.node_rank > 0:
             return serve_node(args, engine_factory or default_factory())
         tokenizer = load_tokenizer(args)
