@@ -8,7 +8,8 @@
 
 An unknown repo is 404 `RepoNotFound`; a repo in `private` without the token is 401; an unknown
 revision 404 `RevisionNotFound`; an unknown file 404 `EntryNotFound`. Every request is recorded
-(`requests`: method and path) so a test can say what was and was not fetched.
+(`requests`: method and path) so a test can say what was and was not fetched; a file in `gates`
+is sent only once its event is set (a download held in flight).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 TOKEN = "hf_standin_token"
+GATE_GUARD_S = 120.0
 
 
 class HubStandIn:
@@ -32,6 +34,7 @@ class HubStandIn:
         self.repos = repos
         self.private = private
         self.requests: list[tuple[str, str]] = []
+        self.gates: dict[str, threading.Event] = {}  # file -> its bytes wait until set
         self.sha = {repo: hashlib.sha1(repo.encode()).hexdigest() for repo in repos}
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -93,6 +96,8 @@ class HubStandIn:
         if not name or not file.is_file():
             return self._error(h, 404, "EntryNotFound")
         data = file.read_bytes()
+        if body and name in self.gates:
+            self.gates[name].wait(GATE_GUARD_S)  # hang guard
         h.send_response(200)
         h.send_header("X-Repo-Commit", self.sha[repo])
         h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')

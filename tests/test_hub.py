@@ -10,11 +10,15 @@ the cache; `--revision`, `--download-dir`, `--tokenizer-path` and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,7 +26,7 @@ import openai
 import pytest
 from deepseek_checkpoint import make_deepseek_server_checkpoint
 from hub_standin import TOKEN, hub_env, running_hub
-from server_harness import HANG_GUARD_S, running_command
+from server_harness import HANG_GUARD_S, running_command, stop_group, wait_for
 
 from dsaserve.runtime.hub import is_repo_id
 
@@ -81,10 +85,13 @@ def test_serve_a_hub_id_then_offline_from_the_cache(repos: dict, tmp_path: Path)
     assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
             "generation_config.json"} <= fetched  # fmt: skip
     assert not fetched & set(UNNEEDED)
+    phases = [f"resolving --model-path {GLM}", f"downloading {GLM} from {hub.url}",
+              f"{GLM}: downloaded", "dsaserve serve: memory: ", f"loading weights from {snapshot}",
+              f"loaded weights from {snapshot}", "dsaserve ready: "]  # fmt: skip
     log = server.output()
-    for phase in (f"resolving --model-path {GLM}", f"downloading {GLM} from {hub.url}",
-                  f"{GLM}: downloaded"):  # fmt: skip
-        assert phase in log, log
+    at = [log.find(phase) for phase in phases]
+    assert -1 not in at and at == sorted(at), log  # each phase named, in order
+    assert re.search(r"bytes on disk\): \d+ bytes held, in \d+\.\d s", log), log
     offline = server_env(hub_env(os.environ, hub.url, home, offline=True))  # the stand-in is gone
     with running_command(serve_command("--model-path", GLM), offline) as again:
         assert chat(again.base) == first
@@ -95,7 +102,8 @@ RESOLVE = """
 import json, sys
 from dsaserve.args import ServerArgs
 from dsaserve.runtime.hub import resolve_checkpoints
-args = resolve_checkpoints(ServerArgs.from_cli(sys.argv[1:]), lambda line: None)
+say = lambda line: print(line, file=sys.stderr, flush=True)
+args = resolve_checkpoints(ServerArgs.from_cli(sys.argv[1:]), say)
 print(json.dumps([args.model_path, args.model_id, args.tokenizer_path,
                   args.speculative_draft_model_path]))
 """
@@ -147,3 +155,47 @@ def expect_refusal(model: str, env: dict, reason: str) -> None:
     assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
     assert errors[0].startswith(f"dsaserve serve: error: --model-path {model}: "), errors
     assert reason in errors[0], errors
+
+
+@contextlib.contextmanager
+def started(command: list[str], env: dict) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`command` in its own process group, its stderr lines collected as they come; the group
+    is stopped when the block exits, even on failure."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        yield process, lines
+        process.wait(HANG_GUARD_S)  # hang guard
+        reader.join(HANG_GUARD_S)  # hang guard
+    finally:
+        stop_group(process)
+
+
+def test_two_starts_download_once_the_second_says_whose_it_waits_for(
+    repos: dict, tmp_path: Path
+) -> None:
+    resolve = [sys.executable, "-c", RESOLVE, "--model-path", GLM]
+    with running_hub(repos) as hub:
+        hub.gates["model.safetensors"] = gate = threading.Event()  # the first download hangs
+        weights = ("GET", f"/{GLM}/resolve/{hub.sha[GLM]}/model.safetensors")
+        held = {"HF_HUB_DOWNLOAD_TIMEOUT": str(int(HANG_GUARD_S))}  # the held GET is not retried
+        env = {**hub_env(os.environ, hub.url, tmp_path / "hf"), **held}
+        with started(resolve, env) as (first, _):
+            wait_for(lambda: weights in hub.requests, "the first start's weights in flight")
+            with started(resolve, env) as (second, said):
+                waiting = wait_for(lambda: [x for x in said if "waiting for another" in x],
+                                   "the second start says it waits")  # fmt: skip
+                gate.set()
+        assert (first.returncode, second.returncode) == (0, 0), "".join(said)
+        assert hub.requests.count(weights) == 1  # one download for both
+    assert f"download of {GLM} (pid {first.pid}, lock " in waiting[0], waiting
+    assert json.loads(first.stdout.read())[0] == json.loads(second.stdout.read())[0]
+    assert f"{GLM}: found in the cache" in "".join(said)

@@ -10,16 +10,21 @@ the resolved snapshot folder, so they all read the commit resolved here (one dow
 each node's launching process resolves into its own cache). The id the user gave stays in
 `ServerArgs.model_id` for `/v1/models` and `/get_model_info`.
 
+Two starts sharing a cache download an id once: the second waits on the first's lock, saying
+whose download (its pid) it waits for, and then finds the snapshot in the cache.
+
 A failure (not cached and offline, unreachable, 401, 404, no such revision) is one `ArgsError`
 naming the flag and the id: `dsaserve serve` exits 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
@@ -38,6 +43,9 @@ TOKENIZER_FILES = ["*.json", "*.jinja", "tokenizer*", "*.model", "*.tiktoken", "
 CHECKPOINT_FILES = [*TOKENIZER_FILES, "*.safetensors"]
 REMOTE_CODE = ["*.py"]  # only with --trust-remote-code
 REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+WAIT_SAY_EVERY_S = 10.0  # a wait on another process's download is said at once, then this often
+WAIT_POLL_S = 0.2
 
 Say = Callable[[str], None]
 
@@ -79,18 +87,62 @@ def snapshot(
     at = f" (revision {revision})" if revision else ""
     say(f"resolving {flag} {repo_id}{at} through the Hugging Face cache {cache_dir(args)}")
     common = {"revision": revision, "cache_dir": args.download_dir, "allow_patterns": files}
-    try:
-        folder = snapshot_download(repo_id, local_files_only=True, **common)
-        if _complete(folder, files):
-            say(f"{repo_id}: found in the cache: {folder}")
-            return folder
-    except (LocalEntryNotFoundError, HFValidationError):
-        pass  # not (fully) cached: ask the Hub below, which also names a bad id
-    if constants.HF_HUB_OFFLINE:
+    folder = _cached(repo_id, common, files)
+    if folder is None and constants.HF_HUB_OFFLINE:
         raise ArgsError(f"{flag} {repo_id}: not a folder on this machine and not in the Hugging "
                         f"Face cache {cache_dir(args)}, and HF_HUB_OFFLINE is set: run once "
                         "online, or give a checkpoint folder")  # fmt: skip
-    return _download(flag, repo_id, common, say)
+    if folder is None:
+        with download_lock(Path(cache_dir(args)), repo_id, say):  # one download per cache
+            folder = _cached(repo_id, common, files)  # another start's download, finished
+            if folder is None:
+                return _download(flag, repo_id, common, say)
+    say(f"{repo_id}: found in the cache: {folder}")
+    return folder
+
+
+def _cached(repo_id: str, common: dict, files: list[str]) -> str | None:
+    """The complete cached snapshot, asking nothing of the Hub; None when it is not there."""
+    try:
+        folder = snapshot_download(repo_id, local_files_only=True, **common)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None  # not (fully) cached: the Hub is asked, and names a bad id
+    return folder if _complete(folder, files) else None
+
+
+@contextlib.contextmanager
+def download_lock(cache: Path, repo_id: str, say: Say) -> Iterator[None]:
+    """This process's turn to download `repo_id` into `cache`: another dsaserve start downloading
+    it holds the lock (an flock on a file naming its pid), and this one says whose download it
+    waits for, at once and then every WAIT_SAY_EVERY_S, then reads what it left in the cache."""
+    locks = cache / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    path = locks / f"dsaserve--{repo_id.replace('/', '--')}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o664)
+    try:
+        start, said = time.monotonic(), -WAIT_SAY_EVERY_S
+        while not _try_flock(fd):
+            if time.monotonic() - said >= WAIT_SAY_EVERY_S:
+                said = time.monotonic()
+                owner = os.pread(fd, 32, 0).decode().strip() or "unknown"
+                say(f"waiting for another process's download of {repo_id} (pid {owner}, lock "
+                    f"{path}); waited {said - start:.0f} s")  # fmt: skip
+            time.sleep(WAIT_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # closing releases the flock
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _download(flag: str, repo_id: str, common: dict, say: Say) -> str:
