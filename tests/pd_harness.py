@@ -159,15 +159,6 @@ def stats(url: str) -> dict:
     return httpx.get(url + "/get_server_info", timeout=30).json()["internal_states"][0]
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def idle(url: str) -> bool:
     """No running, waiting or half-transferred request, and no KV held outside the cache."""
     s = stats(url)

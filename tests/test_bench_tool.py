@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_harness import wait_for
 
 from dsaserve.bench.backends import ChunkUpdate
 from dsaserve.bench.client import StreamTracker
@@ -43,15 +44,11 @@ def _read_port(proc: subprocess.Popen, timeout: float) -> int:
     return int(proc.stdout.readline())
 
 
-def _wait_ready(base_url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout  # hang guard
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/v1/models", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise RuntimeError("fake server did not become ready")
+def _ready(base_url: str) -> bool:
+    try:
+        return httpx.get(f"{base_url}/v1/models", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def fake_server():
     )
     try:
         base_url = f"http://127.0.0.1:{_read_port(proc, 120.0)}"  # hang guard
-        _wait_ready(base_url)
+        wait_for(lambda: _ready(base_url), "the fake server answering /v1/models")
         yield base_url
     finally:
         proc.kill()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +24,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-from server_harness import children, group_members, running_server, wait_unhealthy
+from server_harness import children, group_members, running_server, wait_for, wait_unhealthy
 from speculative_models import make_mtp_checkpoint
 
 PROMPTS = [[(k * 37 + 11 * i) % 290 + 5 for i in range(80)] for k in range(6)]
@@ -89,10 +88,8 @@ def stop_cleanly(server) -> None:
     group by the harness needed), and exits 0."""
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(60) == 0
-    deadline = time.monotonic() + 60  # hang guard: the last children (resource tracker) exit after
-    while group_members(server.process.pid):
-        assert time.monotonic() < deadline, group_members(server.process.pid)
-        time.sleep(0.1)
+    # the last children (resource tracker) exit after it
+    wait_for(lambda: not group_members(server.process.pid), "every process of the group gone")
 
 
 def test_tp2_host_and_file_tiers_match_the_single_process(glm, single, tmp_path):
@@ -158,10 +155,8 @@ def kill_a_rank_mid_load_back(server) -> None:
         with pytest.raises(openai.APIError):
             answer.result(timeout=WATCHDOG_S + 120)  # hang guard
     assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-    deadline = time.monotonic() + 60  # hang guard
-    while any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower)):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    gone = lambda: not any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower))  # noqa: E731
+    wait_for(gone, "the engine and its follower gone")
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
     assert not left
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from server_harness import Server, _wait_ready, group_members, stop_group
+from server_harness import Server, _wait_ready, group_members, stop_group, wait_for
 
 from dsaserve import process_tree
 from dsaserve.kernels import native_build
@@ -88,7 +88,8 @@ def test_build_past_its_timeout_is_stopped(extensions, tmp_path):
     with pytest.raises(native_build.BuildFailed, match="timed out after 2 s"):
         native_build.load("nb_slow", source(tmp_path, SLOW), SLOW_FLAGS, what="x", timeout_s=2)
     # its compiler is gone (killed at the timeout; allow the kernel a moment to take it away)
-    assert gone(process_tree.working_in(extensions / "nb_slow"), 60)  # hang guard
+    compilers = process_tree.working_in(extensions / "nb_slow")
+    wait_for(lambda: gone(compilers), "the timed-out build's compiler gone")
 
 
 HOLD = """
@@ -159,38 +160,26 @@ def launch(model: Path, extensions: Path, **env: str) -> Server:
     return Server("", process)
 
 
-def wait_for_compiler(server: Server, folder: Path, timeout: float = 120) -> list:
+def wait_for_compiler(server: Server, folder: Path) -> list:
     """The build's compiler processes, once the log says it builds and they run."""
 
     def pump() -> None:
         for line in server.process.stdout:
             server.log.append(line)
 
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def building() -> list | None:
         compilers = process_tree.working_in(folder)
         if BUILDING in server.output() and len(compilers) >= 2:  # ninja and a compiler
             return compilers
         assert server.process.poll() is None, server.output()
-        time.sleep(0.1)
-    raise AssertionError(f"no build started:\n{server.output()}")
+        return None
+
+    threading.Thread(target=pump, daemon=True).start()
+    return wait_for(building, "a build started (its log line, ninja and a compiler)")
 
 
-def gone(procs: list, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process_tree.kill_all(procs, 0):  # signal 0: who is still there
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def gone_group(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not group_members(pgid)
+def gone(procs: list) -> bool:
+    return not process_tree.kill_all(procs, 0)  # signal 0: who is still there
 
 
 def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, tmp_path):
@@ -202,8 +191,8 @@ def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, 
         compilers = wait_for_compiler(first, folder)
         os.kill(first.process.pid, signal.SIGINT)
         assert first.process.wait(60) != 0  # hang guard
-        assert gone(compilers, 60), "the compiler outlived the SIGINT"  # hang guard
-        assert gone_group(first.process.pid, 60), group_members(first.process.pid)  # hang guard
+        wait_for(lambda: gone(compilers), "the compiler gone after the SIGINT")
+        wait_for(lambda: not group_members(first.process.pid), "the API process's group gone")
     finally:
         stop_group(first.process)
     assert "stopped during start-up" in first.output()
@@ -215,7 +204,7 @@ def test_serve_killed_during_the_native_build_restarts_clean(server_checkpoint, 
         compilers = wait_for_compiler(second, folder)
         assert "waiting for" not in second.output() and "interrupted" not in second.output()
         os.killpg(second.process.pid, signal.SIGKILL)
-        assert gone(compilers, 60), "the compiler outlived its killed build"  # hang guard
+        wait_for(lambda: gone(compilers), "the compiler of the killed build gone")
     finally:
         stop_group(second.process)
     assert (folder / "lock").exists() and (folder / "dsaserve.lock").read_text()  # left behind

@@ -20,9 +20,8 @@ from pd_harness import (
     running_router,
     running_servers,
     stats,
-    wait_for,
 )
-from server_harness import Server
+from server_harness import Server, wait_for
 from speculative_models import make_mtp_checkpoint
 
 pytestmark = [requires_router, requires_nixl]
@@ -76,4 +75,4 @@ def test_dp_attention_prefill_into_a_dp_attention_decode_matches_one_process(ser
     assert sum(g["pd_rooms_ok"] for g in sent["dp_groups"]) == len(PROMPTS)
     assert received["spec_verify_ct"] > 0, "EAGLE ran at the decode"
     for server in (prefill, decode):
-        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+        wait_for(lambda s=server: idle(s.url), f"{server.url} idle")

@@ -29,10 +29,9 @@ from pd_harness import (
     running_router,
     stats,
     stop_all,
-    wait_for,
 )
 from proc_sockets import alive
-from server_harness import Server, _wait_ready, children, group_members
+from server_harness import Server, _wait_ready, children, group_members, wait_for
 
 pytestmark = [requires_router, requires_nixl]
 HEARTBEAT = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-timeout", "10"]
@@ -70,7 +69,7 @@ class Cluster:
         pgid = self.servers[role].process.pid
         os.killpg(pgid, signal.SIGKILL)
         self.servers[role].process.wait(HANG_S)
-        wait_for(lambda: not group_members(pgid), HANG_S, f"the {role}'s processes gone")
+        wait_for(lambda: not group_members(pgid), f"the {role}'s processes gone")
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
@@ -92,7 +91,7 @@ class Cluster:
 
     def assert_idle(self) -> None:
         for role in ("prefill", "decode"):
-            wait_for(lambda r=role: idle(self.url(r)), HANG_S, f"the {role} idle")
+            wait_for(lambda r=role: idle(self.url(r)), f"the {role} idle")
             info = httpx.get(self.url(role) + "/get_server_info").json()
             assert os.path.exists(f"/proc/{info['engine_pid']}"), f"the {role}'s engine is alive"
 
@@ -156,7 +155,7 @@ def _disconnect_mid_transfer(cluster: Cluster) -> int:
     host, port = cluster.router.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=HANG_S) as client:
         client.sendall(head + body)
-        wait_for(lambda: cluster.paused() is not None, HANG_S, "the prefill's pause")
+        wait_for(lambda: cluster.paused() is not None, "the prefill's pause")
     return cluster.paused()[1]
 
 
@@ -165,7 +164,7 @@ def test_client_disconnect_at_the_router(cluster: Cluster) -> None:
     cluster.fault("pause")
     _disconnect_mid_transfer(cluster)
     aborted = lambda: stats(cluster.url("decode"))["pd_rooms_aborted"] > before  # noqa: E731
-    wait_for(aborted, HANG_S, "the decode aborting the room")  # while the prefill is paused
+    wait_for(aborted, "the decode aborting the room")  # while the prefill is paused
     cluster.fault("")
     cluster.assert_idle()
     _served(cluster)
@@ -200,12 +199,12 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster, group: int) 
                for role in ("prefill", "decode")]  # fmt: skip
     for t in senders:
         t.start()
-    wait_for(lambda: cluster.paused() is not None, HANG_S, "the writer between KV and aux")
+    wait_for(lambda: cluster.paused() is not None, "the writer between KV and aux")
     writer, paused_room = cluster.paused()
     assert paused_room == room
     assert stats(cluster.url("decode"))["pd_rooms_active"] == 1, "the decode waits for it"
     want = [int(group == 0), int(group == 1)]  # published with the stats: waited for
-    wait_for(lambda: _rooms_per_group(cluster) == want, HANG_S, f"the room in group {group}")
+    wait_for(lambda: _rooms_per_group(cluster) == want, f"the room in group {group}")
     info = httpx.get(cluster.url("prefill") + "/get_server_info", timeout=30).json()
     ranks = [info["engine_pid"], *children(info["engine_pid"])]
     assert len(ranks) == 2, "the prefill's two ranks, one group leader each"
@@ -227,7 +226,7 @@ def test_kill_prefill_mid_decode_and_mid_transfer(cluster: Cluster, group: int) 
     chunks = [first, *stream]  # the decoding request finishes on the decode alone
     assert chunks[-1].usage.completion_tokens == 300
     # the prefill's other rank followed its engine out; its API process stays, answering 503
-    wait_for(lambda: not any(alive(pid) for pid in (writer, follower)), HANG_S, "the ranks gone")
+    wait_for(lambda: not any(alive(pid) for pid in (writer, follower)), "the ranks gone")
     assert httpx.get(cluster.url("prefill") + "/health", timeout=10).status_code == 503
     cluster.kill("prefill")
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}

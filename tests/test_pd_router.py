@@ -27,9 +27,8 @@ from pd_harness import (
     running_router,
     stats,
     stop_all,
-    wait_for,
 )
-from server_harness import Server, _wait_ready, make_server_checkpoint
+from server_harness import Server, _wait_ready, make_server_checkpoint, wait_for
 from speculative_models import add_mtp_layer
 
 from dsaserve.model_config import ModelConfig
@@ -193,7 +192,7 @@ def test_one_prefill_one_decode_matches_colocated(
     if backend == "mooncake":  # the DP-attention prefill: rooms of both parities, both groups
         _until_every_group_served(router_flags=flags, prefill=prefill)
     for server in (prefill, decode):
-        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+        wait_for(lambda s=server: idle(s.url), f"{server.url} idle")
 
 
 def _until_every_group_served(router_flags: list[str], prefill: Server) -> None:
@@ -233,7 +232,7 @@ def test_a_tp2_prefill_into_a_dp_attention_decode_behind_the_router(
     groups = after["dp_groups"]
     assert len(groups) == 2 and all(g["pd_rooms_ok"] > 0 for g in groups)
     for server in (prefill, decode):
-        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+        wait_for(lambda s=server: idle(s.url), f"{server.url} idle")
 
 
 def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected: list) -> None:
@@ -249,7 +248,7 @@ def test_one_prefill_two_decodes_without_bootstrap_port(servers: dict, expected:
     assert all(a > b for a, b in zip(after, before)), "both decodes served rooms"
     assert sum(after) - sum(before) == 5 * len(PROMPTS)
     for server in (prefill, *decodes):
-        wait_for(lambda s=server: idle(s.url), 30, f"{server.url} idle")
+        wait_for(lambda s=server: idle(s.url), f"{server.url} idle")
 
 
 def test_direct_requests_without_a_room_are_refused(servers: dict) -> None:

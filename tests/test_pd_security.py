@@ -36,9 +36,8 @@ from pd_harness import (
     requires_router,
     running_router,
     running_servers,
-    wait_for,
 )
-from server_harness import make_server_checkpoint
+from server_harness import make_server_checkpoint, wait_for
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.cluster.zmq_auth import ZmqAuth
@@ -206,14 +205,14 @@ def test_fuzzed_frames_end_no_engine(cluster: dict) -> None:
         with peer(endpoint) as sock:
             send = given(strategy)(lambda frames: sock.send_multipart(frames))
             FUZZ(send)()
-        wait_for(lambda r=role: _dropped(cluster[r]) >= 50, 30, f"the {role} dropping frames")
+        wait_for(lambda r=role: _dropped(cluster[r]) >= 50, f"the {role} dropping frames")
     FUZZ(given(st.binary(max_size=2000))(lambda body: _bootstrap_put(cluster, body)))()
     after = {r: info(cluster[r]) for r in ("prefill", "decode")}
     assert all(after[r]["engine_pid"] == before[r]["engine_pid"] for r in after)  # no death
     assert generate(cluster["router"]) == answer
     for role in ("prefill", "decode"):
         assert httpx.get(cluster[role] + "/health", timeout=10).status_code == 200
-        wait_for(lambda r=role: idle(cluster[r]), 30, f"the {role} idle")
+        wait_for(lambda r=role: idle(cluster[r]), f"the {role} idle")
 
 
 def _dropped(url: str) -> int:

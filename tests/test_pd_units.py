@@ -8,13 +8,13 @@ import asyncio
 import ctypes
 import socket
 import threading
-import time
 import types
 
 import httpx
 import pytest
 import torch
 import zmq
+from server_harness import wait_for
 
 from dsaserve.args import ServerArgs
 from dsaserve.disaggregation import aux, bootstrap, kv_regions
@@ -162,9 +162,7 @@ def _registers_while_the_server_starts(address: str, monkeypatch: pytest.MonkeyP
         assert info["dp_size"] == 2 and info["follow_bootstrap_room"]
         directory = PrefillDirectory(0.2, None)
         directory.want(address)
-        deadline = time.monotonic() + 60  # hang guard
-        while not directory.get(address).endpoints and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(lambda: directory.get(address).endpoints, "the directory's prefill endpoints")
         prefill = directory.get(address)
         assert prefill.endpoints == ("tcp://127.0.0.1:2000", "tcp://127.0.0.1:2001")
         assert [prefill.endpoint(room) for room in (4, 7, 2**63 - 1)] == [
@@ -202,12 +200,14 @@ async def _dispatched(follow_room: bool) -> list[list[list[str]]]:
         streams = await client.submit(requests)
         assert [stream.rid for stream in streams] == ["4", "7", "9"]
         got: list[list[list[str]]] = [[] for _ in inboxes]
-        deadline = time.monotonic() + 60  # hang guard
-        while sum(len(m) for g in got for m in g) < len(requests):
-            assert time.monotonic() < deadline, got
+
+        def all_arrived() -> bool:  # reads what each group's socket has, True once all came
             for inbox, messages in zip(inboxes, got):
                 if inbox.poll(50):
                     messages.append([r.rid for r in ipc.decode_to_engine(inbox.recv()).requests])
+            return sum(len(m) for g in got for m in g) >= len(requests)
+
+        wait_for(all_arrived, "every request at its group's socket", poll=0)
         for stream in streams:
             stream.end(abort=False)
         return got

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
 from pathlib import Path
 
 import msgspec
@@ -28,6 +27,7 @@ from fuzz_seed import run_seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from proc_sockets import alive, listening
+from server_harness import wait_for
 from tiny_models import make_checkpoint
 
 from dsaserve import process_tree
@@ -177,10 +177,8 @@ async def _fuzz(args: ServerArgs) -> None:
         await stop_engines(client, engines, started=bool(processes))
         client.close()
         paths.cleanup(groups)
-    deadline = time.monotonic() + 120  # hang guard
-    while any(alive(p.pid) for p in processes):
-        assert time.monotonic() < deadline, "a rank outlived the engine"
-        await asyncio.sleep(0.2)
+    gone = lambda: not any(alive(p.pid) for p in processes)  # noqa: E731
+    await asyncio.to_thread(wait_for, gone, "every rank gone with the engine")
 
 
 async def _read_all_injected(client: EngineClient, inject: zmq.Socket) -> None:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import openai
 import pytest
-from server_harness import CONTEXT_LENGTH, Server
+from server_harness import CONTEXT_LENGTH, Server, wait_for
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather",
            "parameters": {"type": "object", "required": ["location"], "properties": {
@@ -207,9 +206,7 @@ def test_what_codex_sends_is_served_and_unrunnable_tools_left_out(main_server: S
     assert final["output"][1]["content"][0]["text"] == "The answer is 42."
     assert final["output"][0]["summary"][0]["text"] == "Reasoning here."
     assert final["prompt_cache_key"] == "0a1b" and final["tools"] == CODEX_TOOLS[:1]
-    deadline = time.monotonic() + 120  # hang guard
-    while "multi_agent_v1" not in main_server.output() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: "multi_agent_v1" in main_server.output(), "the log naming the tools left out")
     line = next(x for x in main_server.log if "left out of the prompt" in x)
     assert "namespace tool multi_agent_v1" in line and "web_search tool" in line
     functions_only = sse_events(httpx.post(main_server.base + "/responses", timeout=60,
@@ -314,14 +311,13 @@ def test_a_client_that_goes_away_aborts_its_response(main_server: Server):
         for n, _ in enumerate(r.iter_lines()):
             if n >= 12:
                 break  # the client goes away mid-stream
-    deadline = time.monotonic() + 120  # hang guard
-    while time.monotonic() < deadline:
+
+    def aborted() -> float | None:  # the aborted count, once the request is gone and counted
         stats = httpx.get(main_server.url + "/get_server_info").json()["internal_states"][0]
-        aborted = metric(main_server, "sglang:num_aborted_requests_total")
-        if stats["num_scripted"] == 0 and aborted > before:
-            break
-        time.sleep(0.1)
-    assert stats["num_scripted"] == 0 and aborted == before + 1
+        count = metric(main_server, "sglang:num_aborted_requests_total")
+        return count if stats["num_scripted"] == 0 and count > before else None
+
+    assert wait_for(aborted, "the request gone and counted as aborted") == before + 1
 
 
 def test_sglang_metric_names(main_server: Server, client: openai.OpenAI):

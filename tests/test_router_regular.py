@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pd_harness import requires_router, running_router, running_servers, stats, wait_for
-from server_harness import Server
+from pd_harness import requires_router, running_router, running_servers, stats
+from server_harness import Server, wait_for
 
 pytestmark = requires_router
 MODEL = "glm-router-test"
@@ -86,14 +86,14 @@ def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
     try:
         with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two",
                             "--log-level", "debug") as r:  # fmt: skip
-            wait_for(lambda: busy_load(a) == holders, 60, "A busy")
+            wait_for(lambda: busy_load(a) == holders, "A busy")
             before = stats(b.url)["prompt_tokens"]
             # the router's polls so far may have come before A was busy, and one may be under
             # way: the second one after this began after it
             polls = lambda: sum(POLLED in line for line in r.log)  # noqa: E731
             polled = polls()
-            wait_for(lambda: polls() >= polled + 2, ROUTER_POLL_WAIT_S,
-                     "two more load polls by the router")  # fmt: skip
+            wait_for(lambda: polls() >= polled + 2, "two more load polls by the router",
+                     ROUTER_POLL_WAIT_S)  # fmt: skip
             client = openai.OpenAI(base_url=r.base, api_key="none")
             sent = sum(
                 client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)

@@ -12,18 +12,16 @@ import os
 import signal
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
-from server_harness import Server, children, running_server, write_scripts
+from server_harness import HANG_GUARD_S, Server, children, running_server, wait_for, write_scripts
 
 KEY = "sk-from-the-environment"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-HANG_GUARD_S = 120
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +62,6 @@ class Stopped:
 
     def __exit__(self, *exc: object) -> None:
         os.kill(self.pid, signal.SIGCONT)
-
-
-def wait_for(check, what: str) -> None:
-    deadline = time.monotonic() + HANG_GUARD_S  # hang guard
-    while not check():
-        assert time.monotonic() < deadline, f"never saw: {what}"
-        time.sleep(0.05)
 
 
 def test_health_answers_while_a_30mb_body_is_decoded(edge_server: Server):

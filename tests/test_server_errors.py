@@ -6,13 +6,12 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from conftest import MAX_REQUEST_BYTES
-from server_harness import CONTEXT_LENGTH, Server
+from server_harness import CONTEXT_LENGTH, Server, wait_for
 
 USER = [{"role": "user", "content": "hi"}]
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}
@@ -93,15 +92,15 @@ def _stats(url: str) -> dict:
 
 def _idle(url: str, baseline: int | None = None) -> dict:
     """The engine's stats once nothing runs or waits and (given a baseline) its KV is back to
-    it; the last stats seen at the hang guard, for the caller's assertions to name."""
-    deadline = time.monotonic() + 120  # hang guard
-    while True:
+    it."""
+
+    def settled() -> dict | None:
         stats = _stats(url)
         idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
         freed = baseline is None or stats["kv_used_tokens"] <= baseline
-        if idle and freed or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
+        return stats if idle and freed else None
+
+    return wait_for(settled, "the engine idle, its KV back")
 
 
 def _give_up_once_running(url: str, body: dict) -> None:
@@ -113,14 +112,11 @@ def _give_up_once_running(url: str, body: dict) -> None:
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
     with socket.create_connection((host, int(port))) as client:
         client.sendall(head.encode() + data)
-        deadline = time.monotonic() + 120  # hang guard
-        while _stats(url)["num_running"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: _stats(url)["num_running"], "the request running", poll=0.01)
         client.setblocking(False)
         with contextlib.suppress(BlockingIOError):
             answer = client.recv(4000)
             assert answer == b"", f"answered before the client went away: {answer}"
-    assert time.monotonic() < deadline, "the request never ran"
 
 
 @contextlib.contextmanager

@@ -15,14 +15,13 @@ up to LONG tokens.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from fuzz_seed import run_seeded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_harness import Server
+from server_harness import Server, wait_for
 
 from dsaserve.server.anthropic.protocol import Message, MessagesRequest
 from dsaserve.server.openai.protocol import (
@@ -198,12 +197,11 @@ def test_fuzz_route(client: httpx.Client, path: str, request: pytest.FixtureRequ
 
 
 def test_idle_after_fuzzing(client: httpx.Client):
-    deadline = time.monotonic() + 120  # hang guard
-    while True:
+    def idle() -> dict | None:
         stats = client.get("/get_server_info").json()["internal_states"][0]
-        if stats["num_running"] == stats["num_waiting"] == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+        return stats if stats["num_running"] == stats["num_waiting"] == 0 else None
+
+    stats = wait_for(idle, "nothing running or waiting after the fuzz")
     assert stats["num_running"] == stats["num_waiting"] == 0, stats
     assert client.post("/abort_request", json={"abort_all": True}).json() == {"aborted": []}
     r = client.post("/generate", json={"text": "fresh", "sampling_params": {"max_new_tokens": 2}})

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from server_harness import CONTEXT_LENGTH, Server
+from server_harness import CONTEXT_LENGTH, Server, wait_for
 
 JSON = {"content-type": "application/json"}
 USER = [{"role": "user", "content": "hi"}]
@@ -322,14 +322,13 @@ def test_openapi_describes_every_request_body(main_server: Server):
 
 def test_idle_after_everything(main_server: Server):
     """After all the inputs above: no running, waiting or ghost requests, KV back to idle."""
-    deadline = time.monotonic() + 30
-    while True:
+
+    def idle() -> dict | None:
         stats = httpx.get(main_server.url + "/get_server_info").json()["internal_states"][0]
-        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0
-        if idle or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert idle, stats
+        return stats if stats["num_running"] == 0 and stats["num_waiting"] == 0 else None
+
+    stats = wait_for(idle, "no request running or waiting")
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert stats["kv_used_tokens"] == 0, stats
     assert httpx.post(main_server.url + "/abort_request", json={"abort_all": True}).json() == {
         "aborted": []

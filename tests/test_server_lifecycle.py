@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_harness import Server, group_alive, running_server, write_scripts
+from server_harness import Server, group_alive, running_server, wait_for, write_scripts
 
 KEY = "sk-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -36,13 +35,6 @@ def guarded_server(server_checkpoint: Path) -> Iterator[Server]:
 
 def info(server: Server) -> dict:
     return httpx.get(server.url + "/get_server_info", headers=AUTH).json()
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_api_key(guarded_server: Server):
@@ -83,7 +75,7 @@ def test_queue_limit_answers_429(guarded_server: Server):
         for t in threads:
             t.start()
         full = lambda r=results: len(r) == 2 or load(guarded_server) == (1, 1)  # noqa: E731
-        wait_for(full)
+        wait_for(full, "one request running and one waiting (or both answered)")
         third = LONG | {"max_tokens": 1}
         r = None
         if len(results) < 2:
@@ -122,14 +114,14 @@ def test_sigterm_drains_then_exits(guarded_server: Server):
     thread.start()
     assert first.wait(60)
     os.kill(guarded_server.process.pid, signal.SIGTERM)
-    wait_for(lambda: httpx.get(url + "/health").status_code == 503, timeout=10)
+    wait_for(lambda: httpx.get(url + "/health").status_code == 503, "/health 503 while draining")
     r = httpx.post(url + "/v1/chat/completions", json=LONG, headers=AUTH)
     assert r.status_code == 503 and "Retry-After" in r.headers
     thread.join(120)
     assert done["lines"][-1] == "data: [DONE]"
     assert any('"finish_reason": "length"' in line for line in done["lines"])  # finished, not cut
     assert guarded_server.process.wait(60) == 0
-    wait_for(lambda: not group_alive(guarded_server.process.pid), timeout=10)  # no child left
+    wait_for(lambda: not group_alive(guarded_server.process.pid), "no child left")
 
 
 def test_engine_death_fails_fast(server_checkpoint: Path):

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from server_harness import Server
+from server_harness import Server, wait_for
 from transformers import AutoTokenizer
 
 TOOLS = [
@@ -307,13 +306,13 @@ def test_metrics_count_client_cancels_apart(main_server: Server):
     short = body | {"max_tokens": 2, "stream": False}
     assert httpx.post(url + "/v1/chat/completions", json=short).json()["choices"][0][
         "finish_reason"] == "length"  # fmt: skip
-    deadline = time.monotonic() + 120  # hang guard
-    while True:
+
+    def counted() -> dict | None:  # each reason's growth since `before`, once both cancels are in
         after = _finished_by_reason(main_server)
         grown = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        if grown.get("client_cancel", 0) >= 2 or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
+        return grown if grown.get("client_cancel", 0) >= 2 else None
+
+    grown = wait_for(counted, "both client cancels counted")
     assert grown.get("client_cancel") == 2, grown
     assert grown.get("abort") == 1, grown
     assert grown.get("length") == 1, grown
