@@ -1,22 +1,26 @@
 """Every `dsaserve serve` command `dsaserve plan` prints whose layout this machine can host
 (tp, dp and ep <= 4, any flags) passes `dsaserve serve`'s start-up checks (none is refused), and
-one per layout starts and answers requests.
+one per layout starts, as printed, and answers requests.
 
 The commands come from the planner itself, over every hardware and built-in model, each recipe
 and the options that change the printed flags (speculative, KV dtype, HiCache, PD role), plus
-the CPU plan of a tiny checkpoint folder. Each is rewritten only where this machine differs: the
-model path (a tiny random GLM checkpoint with an MTP layer, heads and experts divisible by 4),
-the DFLASH drafter path (a random published-format DFlash2 drafter for that checkpoint),
-`--host` and `--port` (an OS-chosen port; the harness also sets a 4096-token KV pool, which is
-what `--mem-fraction-static`, a GPU's share, would size). Every command must pass `dsaserve
-serve`'s start-up checks. Three are started, sent three requests at once with the openai SDK and
-stopped, their process trees empty afterwards: the CPU plan's (one rank); the one four-rank
-layout that composes every other (`--tp 4 --dp 4 --ep 4` under DP attention with DeepEP, EAGLE
-and HiCache: four ranks on two cores are started once per run); and the DFLASH layout at two
-ranks (`--tp 4` halved: its drafter under tensor parallelism). The other layouts' pieces run in
-that composition and at two ranks in tests/test_parallel_serve.py. PD-role commands
-(`--disaggregation-mode`) run at tp N and under DP attention, and a prefill or decode answers
-requests only behind the router with its partner: tests/test_pd_router.py starts those.
+the CPU plan of a tiny checkpoint folder (a random GLM with an MTP layer, heads and experts
+divisible by 4). Their Hub ids (`--model-path zai-org/GLM-5.3`, the DFLASH drafter
+`incoai/GLM-5.3-DFlash2`, ...) are not rewritten: a Hub stand-in on loopback
+(tests/hub_standin.py) serves that checkpoint under every built-in model's id and a random
+published-format DFlash2 drafter under the drafter's, and `dsaserve serve` resolves them itself
+(the start checks resolve them the same way, offline, from a cache filled from the stand-in).
+Only `--host` and `--port` are left to the harness (an OS-chosen port; it also sets a 4096-token
+KV pool, which is what `--mem-fraction-static`, a GPU's share, would size). Three are started,
+sent three requests at once with the openai SDK and stopped, their process trees empty
+afterwards: the CPU plan's (one rank); the one four-rank layout that composes every other
+(`--tp 4 --dp 4 --ep 4` under DP attention with DeepEP, EAGLE and HiCache: four ranks on two
+cores are started once per run); and the DFLASH layout at two ranks (`--tp 4` halved: its
+drafter under tensor parallelism). The started Hub ids are downloaded once between them (the
+later start and every rank read the snapshot the first left in the cache). The other layouts'
+pieces run in that composition and at two ranks in tests/test_parallel_serve.py. PD-role
+commands (`--disaggregation-mode`) run at tp N and under DP attention, and a prefill or decode
+answers requests only behind the router with its partner: tests/test_pd_router.py starts those.
 """
 
 from __future__ import annotations
@@ -24,20 +28,23 @@ from __future__ import annotations
 import itertools
 import shlex
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from dflash_models import write_drafter
+from hub_standin import running_hub
+from huggingface_hub import constants, snapshot_download
 from server_harness import group_members, make_server_checkpoint, running_server
 from speculative_models import add_mtp_layer
-from test_plan_rules import write_tiny_config
 
 from dsaserve.args import ArgsError, ServerArgs, speculative_settings
 from dsaserve.deploy.hardware import HARDWARE
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
+from dsaserve.runtime.hub import CHECKPOINT_FILES, resolve_checkpoints
 from dsaserve.runtime.preflight import check_layout, check_speculative_model, checkpoint_config
 
 HOSTABLE = 4  # ranks this machine runs (two cores; tests run up to 4 ranks)
@@ -48,7 +55,7 @@ OPTIONS = {
     "hicache": (False, True),
     "pd": (None, "prefill", "decode"),
 }
-REWRITTEN = ("--model-path", "--host", "--port", "--speculative-draft-model-path")
+REWRITTEN = ("--host", "--port")
 PROMPTS = ["one two three four five six seven eight nine ten eleven twelve", "Hello", "a b c"]
 # Started (see the docstring): the CPU plan, the four-rank composition, DFLASH halved to two ranks
 STARTED = {"tp1 dp1 ep1 dpa0 plain": {}, "tp4 dp4 ep4 dpa1 eagle": {},
@@ -82,13 +89,10 @@ def planned(pairs: list[tuple[str, str]], **fixed) -> list[tuple[str, list[str]]
     return out
 
 
-def rewrite(argv: list[str], drafter: str) -> list[str]:
-    """The command's flags for this machine: model path, host and port left to the harness, the
-    DFLASH drafter (the guide's is not on this machine) a random one in the published format."""
+def rewrite(argv: list[str]) -> list[str]:
+    """The command's flags for this machine: host and port left to the harness."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] == "--speculative-draft-model-path":
-            out += [argv[i], drafter]
         if argv[i] in REWRITTEN:
             i += 2
             continue
@@ -97,10 +101,11 @@ def rewrite(argv: list[str], drafter: str) -> list[str]:
     return out
 
 
-def start_check(flags: list[str], model: str) -> str | None:
-    """What `dsaserve serve` refuses before starting anything (None: it starts)."""
+def start_check(flags: list[str]) -> str | None:
+    """What `dsaserve serve` refuses before starting anything (None: it starts); its Hub ids
+    resolved as the server resolves them (here from the cache the test filled)."""
     try:
-        args = ServerArgs.from_cli(["--model-path", model, *flags])
+        args = resolve_checkpoints(ServerArgs.from_cli(flags), lambda line: None)
         check_layout(args)
         speculative_settings(args)
         check_speculative_model(args, checkpoint_config(args))  # DFLASH: the drafter fits
@@ -121,21 +126,38 @@ def drafter(checkpoint, tmp_path_factory):
                              block_size=8))  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def hub(checkpoint, drafter):
+    """Every built-in model's id serves the checkpoint, every published drafter's the drafter."""
+    repos = {spec.model_path: checkpoint for spec in BUILTIN_MODELS.values()}
+    drafters = {spec.dflash_drafter for spec in BUILTIN_MODELS.values() if spec.dflash_drafter}
+    with running_hub({**repos, **dict.fromkeys(drafters, Path(drafter))}) as hub:
+        yield hub
+
+
+def fill_cache(hub, cache: Path, monkeypatch) -> None:
+    """This process's Hub cache: every id the stand-in serves, downloaded from it into `cache`;
+    then offline, so the start checks resolve the printed ids from there."""
+    for repo in hub.repos:
+        snapshot_download(repo, endpoint=hub.url, cache_dir=cache, allow_patterns=CHECKPOINT_FILES)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
 def test_every_hostable_planned_command_passes_the_start_checks_and_runs(
-    checkpoint, drafter, tmp_path_factory
+    checkpoint, hub, tmp_path_factory, monkeypatch
 ):
-    tiny = write_tiny_config(tmp_path_factory.mktemp("plan_cpu") / "tiny")
     pairs = [(hw, m) for hw in HARDWARE if not HARDWARE[hw].is_cpu for m in BUILTIN_MODELS]
-    found = planned(pairs) + planned([("CPU", str(tiny))], input_len=64, output_len=32)
+    found = planned(pairs) + planned([("CPU", str(checkpoint))], input_len=64, output_len=32)
     layouts = {" ".join(key.split()[:4]) for key, _ in found}
     # every layout that fits: GB300's three and the CPU plan's
     assert layouts == {"tp1 dp1 ep1 dpa0", "tp4 dp1 ep1 dpa0", "tp4 dp4 ep1 dpa1",
                        "tp4 dp4 ep4 dpa1"}  # fmt: skip
-    model = str(checkpoint)
+    fill_cache(hub, tmp_path_factory.mktemp("checks_cache"), monkeypatch)
     runnable: dict[str, list[str]] = {}
     for key, argv in found:
-        flags = rewrite(argv, drafter)
-        refusal = start_check(flags, model)
+        flags = rewrite(argv)
+        refusal = start_check(flags)
         assert refusal is None, f"the planner printed a refused {shlex.join(argv)}: {refusal}"
         if len(flags) > len(runnable.get(key, [])):
             runnable[key] = flags
@@ -144,8 +166,14 @@ def test_every_hostable_planned_command_passes_the_start_checks_and_runs(
         assert any(" dpa1 " in key for key in runnable if key.endswith(role))
     assert set(STARTED) <= set(runnable)
     first: dict[str, tuple[str, float]] = {}
+    home = tmp_path_factory.mktemp("hf_home")  # the servers' own cache, empty at first
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"),
+           "HF_HUB_OFFLINE": "0"}  # fmt: skip
+    asked, resolved = len(hub.requests), set()
     for key, sizes in STARTED.items():
-        with running_server(checkpoint, *resized(runnable[key], sizes)) as server:
+        flags = resized(runnable[key], sizes)
+        printed = flags[flags.index("--model-path") + 1]
+        with running_server(None, *flags, env=env) as server:
             client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
             with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched (and across DP groups)
                 outs = list(pool.map(_greedy, [client] * len(PROMPTS), PROMPTS))
@@ -158,8 +186,18 @@ def test_every_hostable_planned_command_passes_the_start_checks_and_runs(
             if "dpa1" in key:
                 assert len(info[0]["dp_groups"]) == 4, key
                 assert "DeepEP is not available" in server.output()  # --moe-a2a-backend deepep
+            model_info = httpx.get(server.url + "/get_model_info", timeout=60).json()
+            assert model_info["model_path"] == printed, key  # the id as printed, or the folder
             pgid = server.process.pid
         assert not group_members(pgid), f"{key}: processes left"
+        if not Path(printed).is_dir():  # resolved by the server: downloaded, then from the cache
+            again = printed in resolved
+            said = f"{printed}: found in the cache" if again else f"downloading {printed} from"
+            assert said in server.output(), key
+            resolved.add(printed)
+    served = [path for method, path in hub.requests[asked:] if method == "GET"
+              and path.endswith("/model.safetensors")]  # fmt: skip
+    assert served and len(served) == len(set(served)), served  # each id's weights fetched once
     # the first greedy token of a 12-token prompt, from the logits of its last row, whatever the
     # layout: DP attention gathers each group's logits rows (not its forward rows) for the LM head
     token, logprob = first["tp1 dp1 ep1 dpa0 plain"]
