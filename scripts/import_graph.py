@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("bench", "scripts", "tests")  # folders of scripts that put each other on sys.path
-OUTSIDE = 8  # the floor of bench/, scripts/, tests/: above the package
+OUTSIDE = 9  # the floor of bench/, scripts/, tests/: above the package
 # floor -> the package's folders and root modules on it (docs/architecture.md)
 FLOORS = {
     1: (
@@ -39,13 +39,15 @@ FLOORS = {
         "cluster",
         "kernels",
         "assets",
+        "web",
     ),
     2: ("distributed",),
     3: ("layers",),
     4: ("models",),
     5: ("engine",),
     6: ("runtime",),
-    7: ("server", "disaggregation", "llm", "cli", "plan_cli", "bench", "__init__"),
+    7: ("disaggregation", "llm"),
+    8: ("server", "cli", "plan_cli", "bench", "__init__"),
 }
 FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
 LAZY = re.compile(r"^dsaserve(\.\w+)+:\w+$")  # "module:attribute", as the registries write

@@ -17,12 +17,12 @@ from transformers import AutoTokenizer
 
 from dsaserve.args import ServerArgs
 from dsaserve.grammar.backend import make_backend
-from dsaserve.server.errors import APIError
 from dsaserve.server.openai.protocol import ChatCompletionRequest
 from dsaserve.server.parsers.events import ToolCallArgs, ToolCallStart
 from dsaserve.server.parsers.tool_dsml import DsmlToolParser
 from dsaserve.server.templates import deepseek_v32
 from dsaserve.server.tokenizer_manager import TokenizerManager, normalize_messages
+from dsaserve.web.errors import APIError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepseek_v32"
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

@@ -20,7 +20,7 @@ from dsaserve.engine.io import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.runtime.engine_process import EngineLoop
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.errors import APIError
+from dsaserve.web.errors import APIError
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 BAD_SAMPLING = [

@@ -182,8 +182,8 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
 
 def test_llguidance_backend(server_checkpoint: Path):
     from dsaserve.grammar.tool_calls import tool_call_grammar
-    from dsaserve.server.errors import APIError
     from dsaserve.server.structured import StructuredOutput
+    from dsaserve.web.errors import APIError
 
     llm = LLM(str(server_checkpoint), max_total_tokens=2048, page_size=16,
               grammar_backend="llguidance")  # fmt: skip

@@ -25,8 +25,8 @@ from dsaserve.engine.io import Bootstrap, GenerateRequest, TokenLogprob
 from dsaserve.engine.kv_pool import KVPool
 from dsaserve.runtime import ipc
 from dsaserve.server.dp_controller import DPEngineClient
-from dsaserve.server.errors import APIError
 from dsaserve.server.openai.protocol import GenerateRequestIn
+from dsaserve.web.errors import APIError
 
 CONFIG = types.SimpleNamespace(num_hidden_layers=2, kv_entry_dim=12, index_head_dim=8)
 

@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from dsaserve.server.errors import APIError
 from dsaserve.server.openai.responses_events import EventStream, OutputItems
 from dsaserve.server.openai.responses_items import to_chat_body
 from dsaserve.server.openai.responses_protocol import InputItem, ResponsesRequest
 from dsaserve.server.openai.responses_store import ResponseStore
 from dsaserve.server.parsers.events import Content, Reasoning, ToolCallArgs, ToolCallStart
+from dsaserve.web.errors import APIError
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 

@@ -13,9 +13,9 @@ from transformers import AutoTokenizer
 from dsaserve.args import ServerArgs
 from dsaserve.assets import default_model_path
 from dsaserve.server import launch
-from dsaserve.server.errors import APIError
 from dsaserve.server.openai.protocol import ChatCompletionRequest
 from dsaserve.server.tokenizer_manager import TokenizerManager, normalize_messages
+from dsaserve.web.errors import APIError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -29,9 +29,9 @@ import uvicorn
 
 from dsaserve.cluster.secret import bearer, bearer_ok
 from dsaserve.disaggregation.registry import RANK_KEYS, RankTable
-from dsaserve.server.errors import APIError
-from dsaserve.server.http_limits import uvicorn_limits
-from dsaserve.server.json_limits import decode_json
+from dsaserve.web.errors import APIError
+from dsaserve.web.http_limits import uvicorn_limits
+from dsaserve.web.json_limits import decode_json
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_CONNECTIONS = 64

@@ -8,7 +8,7 @@ from typing import Any
 
 from dsaserve.args import ServerArgs
 from dsaserve.engine.io import Bootstrap, GenerateRequest
-from dsaserve.server.errors import bad_request
+from dsaserve.web.errors import bad_request
 
 
 def _each(value: Any, n: int, name: str) -> list[Any]:

@@ -21,7 +21,6 @@ from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesReque
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.console import add_console_routes
 from dsaserve.server.dp_controller import dp_metrics_text, load_report
-from dsaserve.server.errors import APIError
 from dsaserve.server.openai import serving_chat, serving_completions, serving_responses
 from dsaserve.server.openai.protocol import (
     AbortIn,
@@ -34,6 +33,7 @@ from dsaserve.server.openai.responses_store import ResponseStore
 from dsaserve.server.openapi import build_openapi, operation_extra
 from dsaserve.server.state import ServerState
 from dsaserve.server.validation import check_content_type
+from dsaserve.web.errors import APIError
 
 logger = logging.getLogger("dsaserve.server")
 HEALTH_GENERATE_TIMEOUT_S = 20.0

@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel
 
-from dsaserve.server.errors import APIError
 from dsaserve.server.validation import INLINE_MAX_BYTES, decode_model, read_body
+from dsaserve.web.errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
 logger = logging.getLogger("dsaserve.server")

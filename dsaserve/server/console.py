@@ -25,8 +25,8 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Resp
 from dsaserve import __version__
 from dsaserve.deploy.api import coerce_query, invalid_body, plan_answer, plan_matrix, plan_options
 from dsaserve.deploy.hardware import PlanError
-from dsaserve.server.errors import APIError
-from dsaserve.server.json_limits import decode_json
+from dsaserve.web.errors import APIError
+from dsaserve.web.json_limits import decode_json
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "console"
 MEDIA_TYPES = {

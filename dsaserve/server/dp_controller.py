@@ -25,7 +25,7 @@ import zmq
 from dsaserve.engine.io import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.server.engine_client import EngineClient
-from dsaserve.server.errors import APIError
+from dsaserve.web.errors import APIError
 
 PREFIX_BLOCK = 16  # tokens per prefix key (the radix cache's page size in the tests)
 PREFIX_MEMORY = 4096  # prefix keys remembered

@@ -23,7 +23,7 @@ from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.runtime import ipc
 from dsaserve.sampling_params import GRAMMAR_FIELDS
-from dsaserve.server.errors import APIError
+from dsaserve.web.errors import APIError
 
 WATCH_INTERVAL_S = 0.2
 logger = logging.getLogger("dsaserve.server")

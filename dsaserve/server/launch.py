@@ -31,7 +31,6 @@ from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
 from dsaserve.server.engine_processes import default_factory, start_engines, stop_engines
-from dsaserve.server.http_limits import uvicorn_limits
 from dsaserve.server.metrics import Metrics
 from dsaserve.server.parsers.registry import (
     ParserConfigError,
@@ -41,6 +40,7 @@ from dsaserve.server.parsers.registry import (
 from dsaserve.server.state import ServerState
 from dsaserve.server.templates import model_type_of
 from dsaserve.server.tokenizer_manager import TokenizerManager
+from dsaserve.web.http_limits import uvicorn_limits
 
 logger = logging.getLogger("dsaserve.server")
 

@@ -20,7 +20,6 @@ from typing import Any
 from dsaserve.args import ServerArgs
 from dsaserve.engine.io import GenerateRequest
 from dsaserve.sampling_params import SamplingParams
-from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.parsers.registry import (
     DEEPSEEK_V32,
     resolve_reasoning_parser,
@@ -28,6 +27,7 @@ from dsaserve.server.parsers.registry import (
 )
 from dsaserve.server.structured import StructuredOutput
 from dsaserve.server.templates import deepseek_v32, model_type_of
+from dsaserve.web.errors import APIError, bad_request
 
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
 

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from dsaserve.server.errors import APIError, bad_request
-from dsaserve.server.json_limits import check_strings, decode_json, may_hold_surrogates
+from dsaserve.web.errors import APIError, bad_request
+from dsaserve.web.json_limits import check_strings, decode_json, may_hold_surrogates
 
 M = TypeVar("M", bound=BaseModel)
 MAX_REPORTED_ERRORS = 3

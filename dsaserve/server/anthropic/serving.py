@@ -20,7 +20,6 @@ from pydantic import ValidationError
 
 from dsaserve.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from dsaserve.server.anthropic.translate import to_chat_request
-from dsaserve.server.errors import APIError
 from dsaserve.server.generation import ChatChoice, fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import ChatCompletionRequest
 from dsaserve.server.openai.serving_chat import SSE_HEADERS, prepare_chat
@@ -28,6 +27,7 @@ from dsaserve.server.parsers.chat_output import collect
 from dsaserve.server.parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallStart
 from dsaserve.server.state import ServerState
 from dsaserve.server.validation import validation_error
+from dsaserve.web.errors import APIError
 
 
 def _chat(state: ServerState, req: MessagesRequest) -> ChatCompletionRequest:

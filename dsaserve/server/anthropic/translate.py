@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from dsaserve.server.anthropic.protocol import Block, MessagesRequest, TextBlock, ToolChoice
-from dsaserve.server.errors import bad_request
+from dsaserve.web.errors import bad_request
 
 BILLING_LINE = re.compile(r"^\s*x-anthropic-billing-header:[^\n]*(\n|$)")
 SERVER_TOOL_PREFIXES = ("web_search_", "computer_", "bash_", "text_editor_", "code_execution_")

@@ -17,13 +17,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsaserve.server.errors import bad_request
 from dsaserve.server.openai.responses_protocol import (
     InputItem,
     ResponsesRequest,
     ResponsesTool,
     ToolChoiceObject,
 )
+from dsaserve.web.errors import bad_request
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 MEDIA_PARTS = ("input_image", "input_file", "input_audio")

@@ -16,13 +16,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsaserve.disaggregation.request_fields import attach_bootstrap
-from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import ChatChoice, fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import ChatCompletionRequest
 from dsaserve.server.parsers.chat_output import collect
 from dsaserve.server.parsers.events import Content, Event, Reasoning, ToolCallArgs, ToolCallStart
 from dsaserve.server.state import ServerState
 from dsaserve.server.tokenizer_manager import PreparedChat, normalize_messages
+from dsaserve.web.errors import APIError, bad_request
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -13,11 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dsaserve.disaggregation.request_fields import attach_bootstrap
-from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import CompletionRequest, GenerateRequestIn
 from dsaserve.server.openai.serving_chat import SSE_HEADERS
 from dsaserve.server.state import ServerState
+from dsaserve.web.errors import APIError, bad_request
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[list[int]]:

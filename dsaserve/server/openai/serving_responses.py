@@ -23,7 +23,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from dsaserve.server.errors import APIError, bad_request
 from dsaserve.server.generation import ChatChoice, fan_in, first_outputs, unless_disconnected
 from dsaserve.server.openai.protocol import ChatCompletionRequest
 from dsaserve.server.openai.responses_events import EventStream, OutputItems, new_id
@@ -33,6 +32,7 @@ from dsaserve.server.openai.serving_chat import SSE_HEADERS, Usage, prepare_chat
 from dsaserve.server.state import ServerState
 from dsaserve.server.tokenizer_manager import PreparedChat
 from dsaserve.server.validation import validation_error
+from dsaserve.web.errors import APIError, bad_request
 
 logger = logging.getLogger("dsaserve.server")
 # chat field names in errors from the shared pipeline -> the Responses field that caused them

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from dsaserve.server.errors import bad_request
+from dsaserve.web.errors import bad_request
 
 MAX_JSON_DEPTH = 64
 # Only a \uD800-\uDFFF escape can produce a surrogate (raw surrogate bytes are invalid UTF-8).
