@@ -23,8 +23,8 @@ from dsaserve.engine.decode_step import DecodeStep
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
 from dsaserve.engine.dflash_setup import block_size, build_decoder, load_dflash
 from dsaserve.engine.grammar_gate import GrammarGate
-from dsaserve.engine.hicache_moves import page_slots
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
+from dsaserve.engine.kv_pool import page_slots
 from dsaserve.engine.model_runner import ModelRunner
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.report import report

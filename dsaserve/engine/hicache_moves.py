@@ -27,7 +27,7 @@ import torch
 
 from dsaserve.engine.hicache_codec import PageTensors
 from dsaserve.engine.hicache_storage import StorageTier
-from dsaserve.engine.kv_pool import KVPool, PagePool
+from dsaserve.engine.kv_pool import KVPool, PagePool, page_slots
 
 KEY_INTS = 4  # a SHA-256 key as int64s
 
@@ -51,12 +51,6 @@ class HostKVPool:
         self.kv_cache = torch.zeros(kv.shape[0], slots, kv.shape[2], dtype=kv.dtype, pin_memory=pin)
         self.index_cache = torch.zeros(index.shape[0], slots, index.shape[2], dtype=index.dtype,
                                        pin_memory=pin)  # fmt: skip
-
-
-def page_slots(pages: list[int], page_size: int) -> torch.Tensor:
-    return (
-        torch.tensor(pages, dtype=torch.long)[:, None] * page_size + torch.arange(page_size)
-    ).flatten()
 
 
 class TierMoves:

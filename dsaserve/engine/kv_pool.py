@@ -14,6 +14,13 @@ from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.model_config import ModelConfig
 
 
+def page_slots(pages: list[int], page_size: int) -> torch.Tensor:
+    """Every slot of `pages`, in order: a request owning `pages` keeps token position p in slot
+    [p]. The one place pages become slots (the scheduler, the pool, HiCache's moves, PD)."""
+    return (torch.tensor(pages, dtype=torch.long)[:, None] * page_size
+            + torch.arange(page_size)).flatten()  # fmt: skip
+
+
 class PagePool:
     """Free-list allocator of page ids."""
 
@@ -85,6 +92,4 @@ class KVPool:
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of token positions [start, end) for a request owning `pages`."""
-        pos = torch.arange(start, end)
-        page_ids = torch.tensor(pages, dtype=torch.long)
-        return page_ids[pos // self.page_size] * self.page_size + pos % self.page_size
+        return page_slots(pages, self.page_size)[start:end]

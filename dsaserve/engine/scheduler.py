@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.kv_pool import KVPool, page_slots
 from dsaserve.engine.radix_cache import RadixCache
 from dsaserve.engine.request import Req
 
@@ -113,7 +113,7 @@ class Scheduler:
         self.cache.lock(node)
         req.prefix_node, req.pages = node, list(pages)
         req.kv_len = len(pages) * self.pool.page_size
-        req.slots = self._page_slots(req.pages)
+        req.slots = page_slots(req.pages, self.pool.page_size)
         if req.cached_tokens is None:
             req.cached_tokens = req.kv_len
         return True
@@ -129,17 +129,13 @@ class Scheduler:
         if new is None:
             return False
         req.pages += new
-        req.slots = torch.cat([req.slots, self._page_slots(new)])
+        req.slots = torch.cat([req.slots, page_slots(new, self.pool.page_size)])
         return True
 
     def adopt(self, req: Req) -> None:
         """Run `req` from its `pages`, filled elsewhere (prefill/decode disaggregation)."""
-        req.slots = self._page_slots(req.pages)
+        req.slots = page_slots(req.pages, self.pool.page_size)
         self.running.append(req)
-
-    def _page_slots(self, pages: list[int]) -> torch.Tensor:
-        ps = self.pool.page_size
-        return (torch.tensor(pages, dtype=torch.long)[:, None] * ps + torch.arange(ps)).flatten()
 
     def release(self, req: Req) -> None:
         """Hand the request's computed whole pages to the cache and free the rest."""
