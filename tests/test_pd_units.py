@@ -17,7 +17,7 @@ import zmq
 from server_harness import wait_for
 
 from dsaserve.args import ServerArgs
-from dsaserve.disaggregation import aux, bootstrap, kv_regions
+from dsaserve.disaggregation import aux_record, bootstrap, kv_regions
 from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import KVPoll, Status, TransferInfo, parse_to_prefill
 from dsaserve.disaggregation.request_fields import attach_bootstrap
@@ -47,7 +47,7 @@ def test_segments_move_every_layer_indexer_and_mtp_entry() -> None:
     prefill.kv_cache.normal_()
     prefill.index_cache.normal_()
     src_pages, dst_pages, prompt_len = [5, 6, 2], [0, 1, 9], 10  # runs: (5,6)->(0,1), 2->9
-    src_aux, dst_aux = aux.buffer(1), aux.buffer(4)
+    src_aux, dst_aux = aux_record.buffer(1), aux_record.buffer(4)
     mine = kv_regions.describe(prefill, True, src_aux)
     theirs = kv_regions.describe(decode, True, dst_aux)
     assert kv_regions.mismatch(mine, theirs) is None
@@ -64,19 +64,19 @@ def test_segments_move_every_layer_indexer_and_mtp_entry() -> None:
 
 
 def test_layout_mismatch_names_the_mtp_layer() -> None:
-    with_mtp = kv_regions.describe(_pool(4), True, aux.buffer(1))
+    with_mtp = kv_regions.describe(_pool(4), True, aux_record.buffer(1))
     without = kv_regions.describe(KVPool(CONFIG, 4, 4, 2, False, torch.float32), False,
-                                 aux.buffer(1))  # fmt: skip
+                                 aux_record.buffer(1))  # fmt: skip
     assert "--speculative-algorithm" in kv_regions.mismatch(with_mtp, without)
 
 
 def test_aux_record_round_trip() -> None:
-    buf = aux.buffer(3)
+    buf = aux_record.buffer(3)
     logprob = TokenLogprob(42, -0.25, [(42, -0.25), (7, -1.5)])
-    aux.pack(buf, 2, 42, logprob)
-    assert aux.unpack(buf, 2, 100) == (42, logprob)
-    aux.pack(buf, 1, 9, None)
-    assert aux.unpack(buf, 1, 100) == (9, None)
+    aux_record.pack(buf, 2, 42, logprob)
+    assert aux_record.unpack(buf, 2, 100) == (42, logprob)
+    aux_record.pack(buf, 1, 9, None)
+    assert aux_record.unpack(buf, 1, 100) == (9, None)
 
 
 def test_frames_round_trip() -> None:

@@ -4,7 +4,7 @@
 - `protocol.py`: room states and the ZMQ frames between the two roles.
 - `kv_regions.py`: which bytes a token owns (every layer's MLA entry, every indexer key, the MTP
   layer's entry) as transfer segments, plus the per-room checksums.
-- `aux.py`: the first sampled token and its logprob, one fixed-size record per room.
+- `aux_record.py`: the first sampled token and its logprob, one fixed-size record per room.
 - `transfer/`: the transfer-engine seam (NIXL, Mooncake).
 - `prefill.py` / `decode.py`: the two roles, wrapped around an `Engine`.
 """

@@ -23,7 +23,7 @@ from dsaserve.cluster.addresses import advertise_host, internal_host, is_loopbac
 from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.cluster.secret import cluster_secret
 from dsaserve.cluster.zmq_auth import ZmqAuth
-from dsaserve.disaggregation import aux, kv_regions
+from dsaserve.disaggregation import aux_record, kv_regions
 from dsaserve.disaggregation.protocol import FrameError
 from dsaserve.disaggregation.transfer import create
 from dsaserve.engine.io import RequestOutput
@@ -57,7 +57,7 @@ class RoleEngine:
         self.outboxes: dict[str, zmq.Socket] = {}
         self.session = uuid.uuid4().hex[:12]
         self.frames = FrameLog(logger, f"the {self.role}'s peers")
-        self.aux = aux.buffer(aux_slots)
+        self.aux = aux_record.buffer(aux_slots)
         pool = engine.pool
         self.layout = kv_regions.describe(pool, engine.with_mtp, self.aux)
         self.agent_name = f"dsaserve-{self.role}-{self.session}"

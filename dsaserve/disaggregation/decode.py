@@ -19,7 +19,7 @@ from typing import Any
 
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.addresses import split_host_port
-from dsaserve.disaggregation import aux, kv_regions
+from dsaserve.disaggregation import aux_record, kv_regions
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import (
@@ -58,7 +58,7 @@ class DecodeEngine(RoleEngine):
     def __init__(self, engine: Any, args: ServerArgs, reject: Reject) -> None:
         slots = 2 * max(engine.scheduler.config.max_running_requests, 16)
         super().__init__(engine, args, reject, aux_slots=slots)
-        self.slots = aux.SlotPool(slots)
+        self.slots = aux_record.SlotPool(slots)
         self.directory = PrefillDirectory(args.disaggregation_heartbeat_interval, self.secret)
         self.rooms: dict[int, Room] = {}
         self.room_of: dict[str, int] = {}
@@ -199,7 +199,7 @@ class DecodeEngine(RoleEngine):
                 return []
         vocab = self.engine.model_config.vocab_size
         try:  # the prefill wrote this record into our memory: check it like a frame
-            token, logprob = aux.unpack(self.aux, state.aux_index, vocab)
+            token, logprob = aux_record.unpack(self.aux, state.aux_index, vocab)
         except ValueError as e:
             self._fail(room, f"room {room}: the prefill's first token is unusable: {e}", 500)
             return []

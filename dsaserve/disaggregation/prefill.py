@@ -26,7 +26,7 @@ from typing import Any
 
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.addresses import advertise_host, is_wildcard, split_host_port
-from dsaserve.disaggregation import aux, bootstrap, kv_regions
+from dsaserve.disaggregation import aux_record, bootstrap, kv_regions
 from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
     Abort,
@@ -302,7 +302,7 @@ class PrefillEngine(RoleEngine):
             raise ValueError(wrong)
         token = req.output_ids[0]
         logprob = req.pending_logprobs[0] if req.pending_logprobs else None
-        aux.pack(self.aux, 0, token, logprob)
+        aux_record.pack(self.aux, 0, token, logprob)
         segments = kv_regions.kv_segments(self.layout, peer.layout, pages, info.pages)
         tail = [kv_regions.aux_segment(self.layout, peer.layout, 0, info.aux_index)]
         size = sum(s[2] for s in segments + tail)
