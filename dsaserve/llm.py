@@ -6,6 +6,7 @@ It drives the same engine as the server, in-process (no HTTP, no ZMQ).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.engine.engine import Engine
 from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.startup import pick_device
+from dsaserve.runtime.hub import resolve_checkpoints
+from dsaserve.runtime.memory_fit import check_memory_fit
 from dsaserve.runtime.preflight import preflight
 from dsaserve.runtime.ranks import LocalRanks, start_ranks
 from dsaserve.sampling_params import SamplingParams
@@ -56,6 +59,10 @@ class Output:
         return self.samples[0].logprobs
 
 
+def _say(phase: str) -> None:
+    print(f"dsaserve: {phase}", file=sys.stderr, flush=True)
+
+
 class LLM:
     """The engine in this process; with `tp_size` > 1 this process is rank 0 and starts the
     node's other ranks (stopped by `close`, also on `with` exit)."""
@@ -63,8 +70,9 @@ class LLM:
     def __init__(self, model_path: str | None = None, **engine_args) -> None:
         if model_path is not None:
             engine_args["model_path"] = str(model_path)
-        args = ServerArgs(**engine_args)
+        args = resolve_checkpoints(ServerArgs(**engine_args), _say)  # a Hub id: its snapshot
         preflight(args, offline=True)
+        check_memory_fit(args)
         self.ranks: LocalRanks | None = None
         if ParallelSizes.from_args(args).tp > 1:
             self.ranks = start_ranks(args, pick_device(args.device).type)

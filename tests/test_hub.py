@@ -199,3 +199,21 @@ def test_two_starts_download_once_the_second_says_whose_it_waits_for(
     assert f"download of {GLM} (pid {first.pid}, lock " in waiting[0], waiting
     assert json.loads(first.stdout.read())[0] == json.loads(second.stdout.read())[0]
     assert f"{GLM}: found in the cache" in "".join(said)
+
+
+LLM_SCRIPT = """
+import sys
+from dsaserve import LLM, SamplingParams
+with LLM(sys.argv[1], max_total_tokens=256, page_size=16) as llm:
+    out = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    print(len(out[0].token_ids))
+"""
+
+
+def test_the_offline_llm_takes_a_hub_id(repos: dict, tmp_path: Path) -> None:
+    with running_hub(repos) as hub:
+        env = server_env(hub_env(os.environ, hub.url, tmp_path / "hf"))
+        run = subprocess.run([sys.executable, "-c", LLM_SCRIPT, GLM], capture_output=True,
+                             text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+    assert run.returncode == 0 and run.stdout.split()[-1] == "2", run.stderr
+    assert f"dsaserve: {GLM}: downloaded" in run.stderr
