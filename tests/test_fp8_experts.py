@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_score import score
 from safetensors import safe_open
 from tiny_models import make_checkpoint
 from triton_env import needs_triton
@@ -102,7 +103,7 @@ def test_experts_stay_fp8_and_give_the_dequantised_twins_logits(folders, monkeyp
     assert torch.equal(experts.gate_up_proj_scale_inv[5, I // 128 :], scale)
 
     built = _layouts(monkeypatch)
-    got, want = kept.score(PROMPT), twin.score(PROMPT)
+    got, want = score(kept, PROMPT), score(twin, PROMPT)
     assert built == ["contiguous_layout"] * MOE_LAYERS  # 80 rows: the prefill layout
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=0)
     built.clear()
@@ -116,7 +117,7 @@ def test_experts_stay_fp8_and_give_the_dequantised_twins_logits(folders, monkeyp
     # and that difference is the rounding alone: the op swapped for its torch math
     for layer in layers:
         layer.experts.moe = _exact_moe
-    exact = kept.score(PROMPT)
+    exact = score(kept, PROMPT)
     assert ((got - exact).norm() / exact.norm()).item() < 1e-4  # measured 3e-7 (fp32 sum order)
     assert ((exact - want).norm() / want.norm()).item() > 1e-4  # the rounding is real
     # greedy decode through the kernel gives the exact math's tokens

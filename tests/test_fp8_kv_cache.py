@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 
 import torch
+from engine_score import score
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
@@ -63,7 +64,7 @@ def test_fp8_cache_memory_and_dense_error_bound(tmp_path) -> None:
     nbytes = lambda e: e.pool.kv_cache.nbytes + e.pool.index_cache.nbytes  # noqa: E731
     assert fp8.stats()["kv_bytes_per_token"] * fp8.pool.num_tokens == nbytes(fp8)
     assert nbytes(fp8) < 0.7 * nbytes(bf16) and nbytes(fp8) < 0.35 * nbytes(exact)
-    logits = {name: e.score(PROMPT) for name, e in (("exact", exact), ("bf16", bf16),
+    logits = {name: score(e, PROMPT) for name, e in (("exact", exact), ("bf16", bf16),
                                                       ("fp8", fp8))}  # fmt: skip
     err_bf16, err_fp8 = (
         _error(logits["bf16"], logits["exact"]),
@@ -119,7 +120,7 @@ def test_fp8_cache_on_the_trained_model_sparse_path() -> None:
     assert outs["fp8_e4m3"].token_ids[:4] == exact.token_ids[:4]
     seq = exact.prompt_token_ids + exact.token_ids
     target = torch.tensor(seq[1:])[:, None]
-    logp = {kv: llm.engine.score(seq).log_softmax(-1) for kv, llm in engines.items()}
+    logp = {kv: score(llm.engine, seq).log_softmax(-1) for kv, llm in engines.items()}
     error = lambda kv: (logp[kv][:-1].gather(1, target)  # noqa: E731
                         - logp["auto"][:-1].gather(1, target)).abs().mean().item()  # fmt: skip
     assert 0 < error("fp8_e4m3") < 16 * error("bf16")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_score import score
 from tiny_models import make_checkpoint
 from triton_env import gpu, needs_triton
 
@@ -85,14 +86,14 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
     assert kept.stats()["fp8_linears_kept"] > 10 and dequantised.stats()["fp8_linears_kept"] == 0
     assert kept.model_config.quantization == "fp8"
     prompt = PROMPT[:24]
-    got, want = kept.score(prompt), dequantised.score(prompt)
+    got, want = score(kept, prompt), score(dequantised, prompt)
     # the activation's per-token 1x128 e4m3 rounding (~3.6% rms a Linear) is the only change
     assert ((got - want).norm() / want.norm()).item() < 0.15
     # and with the GEMM swapped for its exact torch math, the logits are the kernel's
     for module in kept.model.modules():
         if isinstance(module, Fp8Linear):
             module.gemm = _exact_fp8_gemm
-    torch.testing.assert_close(kept.score(prompt), got, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(score(kept, prompt), got, rtol=1e-4, atol=1e-4)
 
 
 def _exact_fp8_gemm(x, w8, scale_inv, bias=None):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from engine_score import score
 from safetensors import safe_open
 from tiny_models import load_reference
 
@@ -51,8 +52,8 @@ def test_nvfp4_checkpoint_logits_equal_its_dequantised_twin(tmp_path) -> None:
         assert expert + ".input_scale" in names
         assert f.get_tensor("model.layers.1.self_attn.o_proj.weight").dtype == torch.float32
     prompt = torch.randint(0, 380, (30,), generator=torch.Generator().manual_seed(4)).tolist()
-    got = LLM(str(fp4), dtype="float32", max_total_tokens=256, page_size=4).engine.score(prompt)
-    want = LLM(str(twin), dtype="float32", max_total_tokens=256, page_size=4).engine.score(prompt)
+    got = score(LLM(str(fp4), dtype="float32", max_total_tokens=256, page_size=4).engine, prompt)
+    want = score(LLM(str(twin), dtype="float32", max_total_tokens=256, page_size=4).engine, prompt)
     assert torch.equal(got, want)
     # and both are the transformers model holding the twin's weights
     reference = load_reference(twin)

@@ -37,7 +37,6 @@ from dsaserve.engine.speculative import SpecDecoder
 from dsaserve.engine.startup import default_threads, generation_defaults, max_running, pick_device
 from dsaserve.kernels.kv_quant import kv_dtype_name
 from dsaserve.layers.fp8_experts import expert_bytes
-from dsaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -285,20 +284,6 @@ class Engine:
             elif req.stream and req.pending_ids:
                 outputs.append(req.take_output())
         return outputs
-
-    def score(self, input_ids: list[int]) -> torch.Tensor:
-        """Logits [len, V] of every position of one sequence (no caching; for checks)."""
-        params = SamplingParams(max_tokens=1).with_defaults({})
-        state = SamplingState(params, input_ids, self.model_config.vocab_size, [])
-        detok = IncrementalDetokenizer(self.tokenizer, input_ids, [], True, False)
-        req = Req("score", list(input_ids), params, state, detok)
-        if not self.scheduler.grow(req, len(input_ids)):
-            raise RuntimeError("not enough free KV to score this sequence")
-        try:
-            scheduled = ScheduledBatch([req], [0], [len(input_ids)])
-            return self.runner.forward(scheduled, all_rows=True)[1]
-        finally:
-            self.pool.pages.free(req.pages)
 
     # ---- introspection --------------------------------------------------------------------
     def stats(self) -> dict:
