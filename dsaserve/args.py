@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsaserve.assets import default_model_path
+from dsaserve.flags import SECTIONS, Flag
 from dsaserve.kernels.registry import (
     ATTENTION_BACKENDS,
     DSA_BACKENDS,
@@ -277,124 +278,37 @@ def speculative_settings(args: ServerArgs) -> tuple[int, int, int] | None:
     return steps, topk, drafts
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, *aliases: str, **kw: Any) -> None:
-    dest = name.lstrip("-").replace("-", "_")
+def default_text(flag: Flag) -> str:
+    """The default as `--help` and docs/flags.md show it: the flag's own words, else the value."""
+    if flag.default is not None:
+        return flag.default
+    value = _default(flag.kw.get("dest") or _dest(flag.names[0]))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
+
+
+def _dest(name: str) -> str:
+    return name.lstrip("-").replace("-", "_")
+
+
+def _default(dest: str) -> Any:
     default = ServerArgs.__dataclass_fields__[dest]
-    if "default" not in kw and kw.get("action") not in ("store_true",):
-        factory = default.default_factory
-        kw["default"] = factory() if factory is not dataclasses.MISSING else default.default
-    parser.add_argument(name, *aliases, dest=dest, **kw)
+    factory = default.default_factory
+    return factory() if factory is not dataclasses.MISSING else default.default
+
+
+def _flag(parser: argparse._ActionsContainer, flag: Flag) -> None:
+    kw = {"dest": _dest(flag.names[0]), **flag.kw}
+    if kw.get("action") != "store_false":  # --disable-cache-report: the dest of the flag before
+        kw["default"] = _default(kw["dest"])
+    help_text = f"{flag.help} (default: {default_text(flag)})".replace("%", "%%")
+    parser.add_argument(*flag.names, help=help_text, **kw)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
-    """Declare every `dsaserve serve` flag (SGLang's names; aliases as SGLang accepts them)."""
-    f = lambda name, *aliases, **kw: _flag(parser, name, *aliases, **kw)  # noqa: E731
-    on = {"action": "store_true"}
-    f("--model-path", "--model", help="checkpoint folder or Hub id (default: the embedded model)")
-    f("--tokenizer-path", help="tokenizer folder or Hub id (default: the model's)")
-    f("--revision", help="branch, tag or commit of a Hub id (default: main)")
-    f("--download-dir", help="Hugging Face cache for Hub ids (default: $HF_HUB_CACHE)")
-    f("--served-model-name")
-    f("--dtype", choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"])
-    f("--context-length", type=int)
-    f("--json-model-override-args", help="JSON merged over the checkpoint's config.json")
-    f("--trust-remote-code", **on)
-    f("--device", choices=["auto", "cpu", "cuda"])
-    f("--random-seed", type=int)
-    f("--host")
-    f("--port", type=int)
-    f("--api-key", help=f"require this key (default: ${API_KEY_ENV}, which stays out of `ps`)")
-    f("--cluster-secret", help=f"authenticates the internal ports (default: ${SECRET_ENVS[0]}, "
-      "else the API key); without one they listen on loopback only")  # fmt: skip
-    f("--reasoning-parser", choices=["auto", "glm45", "deepseek-v3", "none"])
-    f("--tool-call-parser", choices=["auto", "glm47", "glm45", "deepseekv32", "none"])
-    f("--default-chat-template-kwargs", help="JSON, e.g. '{\"enable_thinking\": false}'")
-    f("--enable-metrics", **on)
-    f("--enable-cache-report", action="store_true", default=True, help="the default (kept "
-      "for SGLang command lines)")  # fmt: skip
-    parser.add_argument("--disable-cache-report", dest="enable_cache_report", action="store_false",
-                        help="omit cached-token counts from usage")  # fmt: skip
-    f("--grammar-backend", choices=["xgrammar", "llguidance", "none"])
-    f(
-        "--keep-anthropic-billing-header",
-        **on,
-        help="keep Claude Code's per-request x-anthropic-billing-header system line in the prompt",
-    )
-    f("--max-queued-requests", type=int)
-    f("--watchdog-timeout", type=float)
-    f("--disable-custom-all-reduce", **on)
-    f("--shutdown-timeout", type=float)
-    f("--log-level", choices=["debug", "info", "warning", "error"])
-    f("--skip-server-warmup", **on)
-    f("--skip-memory-check", **on, help="start even if the weights + KV seem not to fit")
-    f("--max-request-bytes", type=int)
-    f("--max-n", type=int, help="most choices (n) one request may ask for")
-    f("--max-sequences-per-request", type=int, help="most prompts x n of one request")
-    f("--responses-store-size", type=int, help="most /v1/responses kept for store: true (LRU; "
-      "0: none)")  # fmt: skip
-    f("--header-timeout", type=float, help="seconds a client has to send its request headers")
-    f("--mem-fraction-static", type=float)
-    f("--max-total-tokens", type=int)
-    f("--page-size", type=int)
-    f("--chunked-prefill-size", type=int)
-    f("--max-prefill-tokens", type=int)
-    f("--max-running-requests", type=int)
-    f("--disable-radix-cache", **on)
-    f("--schedule-policy", choices=["fcfs", "lpm"])
-    f("--radix-eviction-policy", choices=["lru"])
-    f("--kv-cache-dtype")
-    f("--attention-backend", choices=list(ATTENTION_BACKENDS))
-    f("--dsa-prefill-backend", "--nsa-prefill-backend", choices=list(DSA_BACKENDS))
-    f("--dsa-decode-backend", "--nsa-decode-backend", choices=list(DSA_BACKENDS))
-    f("--moe-runner-backend", choices=list(MOE_BACKENDS))
-    f("--fp8-gemm-backend", choices=list(FP8_GEMM_BACKENDS))
-    f("--disable-cuda-graph", **on)
-    f("--cuda-graph-max-bs", type=int)
-    f("--disable-fused-decode", **on)
-    f("--disable-native-decode", **on)
-    f("--enable-torch-compile", **on)
-    f("--threads", type=int)
-    f("--speculative-algorithm", choices=["EAGLE", "NEXTN", "EAGLE3", "DFLASH", "DFLASH2"])
-    f("--speculative-num-steps", type=int)
-    f("--speculative-eagle-topk", type=int)
-    f("--speculative-num-draft-tokens", type=int)
-    f("--speculative-draft-model-path", "--speculative-draft-model")
-    f("--speculative-dflash-block-size", type=int)
-    f("--speculative-draft-window-size", type=int)
-    f("--speculative-draft-attention-backend")
-    f("--enable-hierarchical-cache", **on)
-    f("--hicache-ratio", type=float)
-    f("--hicache-size", type=int)
-    f("--hicache-write-policy", choices=["write_through", "write_through_selective", "write_back"])
-    f("--hicache-mem-layout", choices=["layer_first", "page_first", "page_first_direct"])
-    f("--hicache-io-backend", choices=["direct", "kernel", "kernel_ascend"])
-    f("--hicache-storage-backend", choices=["file", "dynamic"])
-    f(
-        "--hicache-storage-backend-extra-config",
-        help="JSON: file_path, max_size_gb, "
-        "prefetch_threshold, prefetch_timeout_base, prefetch_timeout_per_ki_token, ...",
-    )
-    f("--hicache-storage-prefetch-policy", choices=["best_effort", "wait_complete", "timeout"])
-    f("--tp-size", "--tp", "--tensor-parallel-size", type=int)
-    f("--dp-size", "--dp", "--data-parallel-size", type=int)
-    f("--ep-size", "--ep", "--expert-parallel-size", type=int)
-    f("--enable-dp-attention", **on)
-    f("--load-balance-method", choices=["round_robin", "shortest_queue"])
-    f("--moe-a2a-backend", choices=["none", "deepep", "mooncake"])
-    f("--enable-prefill-cp", "--enable-dsa-prefill-context-parallel", **on)
-    f("--cp-strategy", choices=["interleave", "zigzag"])
-    f("--attn-cp-size", "--attention-context-parallel-size", type=int)
-    f("--enable-dsa-cache-layer-split", **on)
-    f("--nnodes", type=int)
-    f("--node-rank", type=int)
-    f("--dist-init-addr")
-    f("--enable-flashinfer-allreduce-fusion", **on)
-    f("--disaggregation-mode", choices=["null", "prefill", "decode"])
-    f("--disaggregation-transfer-backend", choices=["mooncake", "nixl", "mooncake_tcp", "fake"])
-    f("--disaggregation-bootstrap-port", type=int)
-    f("--disaggregation-advertise-host", help="the address peers reach this role at (default: "
-      "$SGLANG_HOST_IP, a concrete --host, else the interface that reaches the peer)")  # fmt: skip
-    f("--disaggregation-ib-device")
-    f("--disaggregation-timeout", type=float, help="seconds a room may wait for its KV")
-    f("--disaggregation-heartbeat-interval", type=float, help="seconds between heartbeats")
-    f("--disaggregation-checksum", **on, help="debug: check every layer's KV per room")
+    """Declare every `dsaserve serve` flag (dsaserve/flags.py), one argparse group a section."""
+    for section, flags in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        for flag in flags:
+            _flag(group, flag)

@@ -30,6 +30,7 @@ OUTSIDE = 9  # the floor of bench/, scripts/, tests/: above the package
 FLOORS = {
     1: (
         "args",
+        "flags",
         "dflash_args",
         "sampling_params",
         "model_config",
