@@ -4,7 +4,9 @@ Random weights produce random text, so end-to-end parser tests ask for a script:
 contains `[[script:KEY]]` gets the text of script KEY (the last such mark wins, so a conversation
 can change script turn by turn), a few characters per step, honouring stop strings and
 `max_tokens` (one step = one token). Other prompts go to the real engine, or, with no real engine,
-produce filler words. A test serves it with `python tests/scripted_serve.py` (server_harness.py's
+produce filler words. A script with `"load": true` counts in the stats (`num_running`,
+`kv_used_tokens`: what `/get_load` reports) beside the real engine's requests. A test serves it
+with `python tests/scripted_serve.py` (server_harness.py's
 `running_server(..., scripts=...)`), which hands `ScriptedEngineFactory` to `dsaserve serve`'s
 engine process; the package knows nothing of it.
 """
@@ -38,6 +40,7 @@ class _Script:
     max_tokens: int
     prompt_tokens: int
     delay: float = 0.0
+    load: bool = False  # counted as a running request (and its KV) in the engine's stats
     pos: int = 0
     steps: int = 0
     matched: str | None = None
@@ -108,6 +111,7 @@ class ScriptedEngine:
         script = _Script(
             rid=request.rid, text=spec["text"], chunk=int(spec.get("chunk", 3)),
             finish=spec.get("finish", "stop"), delay=float(spec.get("delay", 0.0)),
+            load=bool(spec.get("load", False)),
             max_tokens=sampling.get("max_tokens") or 1 << 30, prompt_tokens=len(request.input_ids),
         )  # fmt: skip
         for stop in sampling.get("stop") or []:
@@ -163,9 +167,13 @@ class ScriptedEngine:
         stats = self.real.stats() if self.real is not None else {"num_running": 0, "num_waiting": 0}
         stats = dict(stats)
         stats["num_scripted"] = len(self.active)
+        counted = list(self.active.values()) if self.real is None else [
+            s for s in self.active.values() if s.load]  # fmt: skip
         if self.real is None:
-            stats["num_running"] = len(self.active)
-            stats["kv_used_tokens"] = sum(s.prompt_tokens + s.steps for s in self.active.values())
+            stats["num_running"] = stats["kv_used_tokens"] = 0
+        stats["num_running"] += len(counted)
+        stats["kv_used_tokens"] = stats.get("kv_used_tokens", 0) + sum(
+            s.prompt_tokens + s.steps for s in counted)  # fmt: skip
         return stats
 
     def flush_cache(self) -> bool:

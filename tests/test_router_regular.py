@@ -11,23 +11,32 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pd_harness import requires_router, running_router, running_servers, stats
-from server_harness import Server, wait_for
+from pd_harness import launch, requires_router, running_router, stats, stop_all
+from server_harness import Server, _wait_ready, wait_for, write_scripts
 
 pytestmark = requires_router
 MODEL = "glm-router-test"
 # sglang-router 0.3.2 polls /get_load for power_of_two every --worker-startup-check-interval
 # seconds (pd_harness passes 1); its debug log has this line after each poll
 POLLED = "Fetched loads from 2 workers"
-ROUTER_POLL_WAIT_S = 30
+HOLD = {"text": "x" * 100_000, "chunk": 1, "delay": 0.05, "load": True, "finish": "length"}
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Paris in spring, briefly."}]
 
 
 @pytest.fixture(scope="module")
-def pair(server_checkpoint: Path) -> Iterator[tuple[Server, Server]]:
-    spec = (server_checkpoint, ["--served-model-name", MODEL, "--max-total-tokens", "65536"], None)
-    with running_servers([spec, spec]) as (a, b):
-        yield a, b
+def pair(server_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[tuple[Server, Server]]:  # fmt: skip
+    """Two servers on one checkpoint; A has the `hold` script in front of its real engine."""
+    scripts = write_scripts(tmp_path_factory.mktemp("router_scripts"), {"hold": HOLD})
+    flags = ["--served-model-name", MODEL, "--max-total-tokens", "65536"]
+    servers = [launch(server_checkpoint, *flags, scripts=scripts),
+               launch(server_checkpoint, *flags)]  # fmt: skip
+    try:
+        for server in servers:
+            server.url = _wait_ready(server)
+        yield servers[0], servers[1]
+    finally:
+        stop_all(servers)
 
 
 def test_extras_the_router_reads(pair: tuple[Server, Server]) -> None:
@@ -66,47 +75,46 @@ def busy_load(server: Server) -> int:
 
 
 def test_get_load_steers_power_of_two(pair: tuple[Server, Server]) -> None:
-    """Busy server A (KV in use, as /get_load reports) gets none of the router's requests: A is
-    kept loaded by holders that resubmit as they finish (a 900-token request lasts under a
-    second here), each of a different length so that they never all finish in the same step,
-    and B's prompt tokens must grow by exactly the router's."""
+    """Busy server A (requests running, KV in use, as /get_load reports) gets none of the
+    router's requests, and B's prompt tokens grow by exactly the router's. A is held busy by
+    scripted requests that run until aborted and count in its load: real ones finish within a
+    second here, and on a loaded machine the gap before a holder's next request let a poll see A
+    idle."""
     a, b = pair
-    holders, stop = 8, threading.Event()
-    busy = openai.OpenAI(base_url=a.base, api_key="none", max_retries=0)
-
-    def hold(tokens: int) -> None:
-        while not stop.is_set():
-            with contextlib.suppress(openai.APIError):
-                busy.completions.create(model=MODEL, prompt="word " * 60, max_tokens=tokens,
-                                        temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-
-    threads = [threading.Thread(target=hold, args=(900 - 97 * i,)) for i in range(holders)]
-    for t in threads:
+    holders = [threading.Thread(target=_hold, args=(a,)) for _ in range(2)]
+    for t in holders:
         t.start()
     try:
         with running_router("--worker-urls", a.url, b.url, "--policy", "power_of_two",
                             "--log-level", "debug") as r:  # fmt: skip
-            wait_for(lambda: busy_load(a) == holders, "A busy")
+            wait_for(lambda: busy_load(a) == len(holders), "A busy")
             before = stats(b.url)["prompt_tokens"]
             # the router's polls so far may have come before A was busy, and one may be under
             # way: the second one after this began after it
             polls = lambda: sum(POLLED in line for line in r.log)  # noqa: E731
             polled = polls()
-            wait_for(lambda: polls() >= polled + 2, "two more load polls by the router",
-                     ROUTER_POLL_WAIT_S)  # fmt: skip
+            wait_for(lambda: polls() >= polled + 2, "two more load polls by the router")
             client = openai.OpenAI(base_url=r.base, api_key="none")
             sent = sum(
                 client.completions.create(model=MODEL, prompt=f"hello {i}", max_tokens=2)
                 .usage.prompt_tokens for i in range(4)
             )  # fmt: skip
-            assert stats(a.url)["num_running"] >= holders // 2, "the holders kept A loaded"
+            assert busy_load(a) == len(holders), "the holders kept A loaded"
             chose = "".join(line for line in r.log if "Power-of-two selection" in line)
             assert stats(b.url)["prompt_tokens"] - before == sent, (
                 f"power_of_two sent a request to the loaded server:\n{chose}"
             )
     finally:
-        stop.set()
-        while any(t.is_alive() for t in threads):
-            httpx.post(a.url + "/abort_request", json={"abort_all": True})
-            for t in threads:
-                t.join(timeout=0.5)
+        httpx.post(a.url + "/abort_request", json={"abort_all": True}, timeout=30)
+        for t in holders:
+            t.join(timeout=120)  # hang guard
+    assert not any(t.is_alive() for t in holders)
+
+
+def _hold(server: Server) -> None:
+    """One streamed request on `server` that its `hold` script runs until it is aborted."""
+    busy = openai.OpenAI(base_url=server.base, api_key="none", max_retries=0)
+    with contextlib.suppress(openai.APIError):
+        for _ in busy.completions.create(model=MODEL, prompt="[[script:hold]] keep busy",
+                                         max_tokens=900, stream=True):  # fmt: skip
+            pass
