@@ -11,6 +11,7 @@ the cache; `--revision`, `--download-dir`, `--tokenizer-path` and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ import httpx
 import openai
 import pytest
 from deepseek_checkpoint import make_deepseek_server_checkpoint
+from filelock import FileLock
 from hub_standin import TOKEN, hub_env, running_hub
 from server_harness import HANG_GUARD_S, running_command, stop_group, wait_for
 
@@ -217,3 +219,27 @@ def test_the_offline_llm_takes_a_hub_id(repos: dict, tmp_path: Path) -> None:
                              text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
     assert run.returncode == 0 and run.stdout.split()[-1] == "2", run.stderr
     assert f"dsaserve: {GLM}: downloaded" in run.stderr
+
+
+def test_a_wait_on_another_programs_file_lock_names_its_pid(repos: dict, tmp_path: Path) -> None:
+    """huggingface_hub's own per-file lock, held by another program downloading the same blob
+    (here this test): the start says whose lock it waits on (huggingface_hub notes the wait every
+    10 s), and goes on once it is released."""
+    home = tmp_path / "hf"
+    weights = (repos[GLM] / "model.safetensors").read_bytes()
+    etag = hashlib.sha256(weights).hexdigest()  # the stand-in's ETag names the blob and its lock
+    lock = home / "hub" / ".locks" / "models--zai-org--GLM-5.3" / f"{etag}.lock"
+    lock.parent.mkdir(parents=True)
+    held = FileLock(lock)
+    held.acquire()
+    try:
+        with running_hub(repos) as hub:
+            resolve = [sys.executable, "-c", RESOLVE, "--model-path", GLM]
+            with started(resolve, hub_env(os.environ, hub.url, home)) as (run, said):
+                waiting = wait_for(lambda: [x for x in said if " holds " in x],
+                                   "the start says whose lock it waits on")  # fmt: skip
+                held.release()
+        assert run.returncode == 0, "".join(said)
+    finally:
+        held.release()
+    assert f"(pid {os.getpid()} holds {lock})" in waiting[0], waiting

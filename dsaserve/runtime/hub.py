@@ -11,7 +11,8 @@ each node's launching process resolves into its own cache). The id the user gave
 `ServerArgs.model_id` for `/v1/models` and `/get_model_info`.
 
 Two starts sharing a cache download an id once: the second waits on the first's lock, saying
-whose download (its pid) it waits for, and then finds the snapshot in the cache.
+whose download (its pid) it waits for, and then finds the snapshot in the cache; a wait on
+huggingface_hub's own per-file lock (another program downloading into the same cache) is said too.
 
 A failure (not cached and offline, unreachable, 401, 404, no such revision) is one `ArgsError`
 naming the flag and the id: `dsaserve serve` exits 2.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import time
@@ -36,6 +38,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from dsaserve import process_tree
 from dsaserve.args import ArgsError, ServerArgs
 
 # What a server reads: config, tokenizer, chat template, generation config, weights and index
@@ -46,6 +49,8 @@ REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 WAIT_SAY_EVERY_S = 10.0  # a wait on another process's download is said at once, then this often
 WAIT_POLL_S = 0.2
+HF_LOCK_LOGGER = "huggingface_hub.utils._fixes"  # WeakFileLock's "Still waiting ..." lines
+HF_LOCK_WAIT = re.compile(r"Still waiting to acquire lock on (.+) \(elapsed: ([\d.]+) seconds\)")
 
 Say = Callable[[str], None]
 
@@ -150,13 +155,48 @@ def _download(flag: str, repo_id: str, common: dict, say: Say) -> str:
     say(f"downloading {repo_id} from {endpoint} (progress below)")
     start = time.monotonic()
     try:
-        folder = snapshot_download(repo_id, **common)
+        with _said_lock_waits(repo_id, say):
+            folder = snapshot_download(repo_id, **common)
     except Exception as e:  # whatever the Hub answered ends the start, in one line
         why = _why(e, endpoint)
         raise ArgsError(f"{flag} {repo_id}: not a folder on this machine, and {why}") from None
     size = sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
     say(f"{repo_id}: downloaded {size} bytes in {time.monotonic() - start:.1f} s: {folder}")
     return folder
+
+
+@contextlib.contextmanager
+def _said_lock_waits(repo_id: str, say: Say) -> Iterator[None]:
+    """huggingface_hub's own waits on a file's lock (another program downloading the same blob
+    into this cache; it logs one every 10 s at INFO, which its default level hides), said as a
+    phase with the pids holding that lock."""
+    log = logging.getLogger(HF_LOCK_LOGGER)
+    handler = _LockWaits(repo_id, say)
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+class _LockWaits(logging.Handler):
+    def __init__(self, repo_id: str, say: Say) -> None:
+        super().__init__(logging.INFO)
+        self.repo_id = repo_id
+        self.say = say
+
+    def emit(self, record: logging.LogRecord) -> None:
+        waiting = HF_LOCK_WAIT.match(record.getMessage())
+        if waiting is None:
+            return
+        lock, elapsed = waiting.groups()
+        others = [pid for pid in process_tree.holding(Path(lock)) if pid != os.getpid()]
+        whose = f"pid {', '.join(map(str, others))}" if others else "a process"
+        self.say(f"waiting for another process's download of a file of {self.repo_id} "
+                 f"({whose} holds {lock}); waited {elapsed} s")  # fmt: skip
 
 
 def _complete(folder: str, files: list[str]) -> bool:
