@@ -19,8 +19,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,7 +31,7 @@ from server_harness import running_server, wait_for, wait_unhealthy
 from tiny_models import make_checkpoint
 
 from dsaserve import process_tree
-from dsaserve.distributed.rendezvous import Endpoint, rendezvous_store
+from dsaserve.distributed.rendezvous import Endpoint, listen, rendezvous_store
 from dsaserve.runtime.heartbeat import Heartbeats, start_beating
 from dsaserve.runtime.omp import SPINCOUNT
 
@@ -97,12 +95,11 @@ def test_heartbeats_name_the_late_and_the_missing_rank(tmp_path: Path) -> None:
     path = str(tmp_path / "heartbeat")
     beats = [start_beating(path, 1)]  # rank 1 beats; rank 0 never wrote
     try:
-        time.sleep(0.2)
-        assert Heartbeats(path, 2).late() == "no heartbeat from rank 0 (never)"
-        assert Heartbeats(path, 1).late() == "no heartbeat from rank 0 (never)"
+        never = "no heartbeat from rank 0 (never)"  # once rank 1's first beat is written
+        wait_for(lambda: Heartbeats(path, 2).late() == never, never)
+        assert Heartbeats(path, 1).late() == never
         beats.append(start_beating(path, 0))
-        time.sleep(0.2)
-        assert Heartbeats(path, 2).late() is None
+        wait_for(lambda: Heartbeats(path, 2).late() is None, "both ranks beating")
         assert "rank 1 (" in Heartbeats(path, 2).late(stale_s=-1.0)
         assert os.stat(path).st_mode & 0o777 == 0o600
         assert "cannot be read" in Heartbeats(str(tmp_path / "none"), 1).late()
@@ -112,12 +109,10 @@ def test_heartbeats_name_the_late_and_the_missing_rank(tmp_path: Path) -> None:
 
 
 def test_the_rendezvous_store_listens_on_its_address_and_hides_its_keys() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    where, wait = Endpoint("127.0.0.1", port), datetime.timedelta(seconds=20)
+    listener, where = listen(Endpoint("127.0.0.1", 0))  # rank 0 holds the port the OS gave
+    port, wait = where.port, datetime.timedelta(seconds=20)
     args = SimpleNamespace(cluster_secret="rendezvous-secret", api_key=None)
-    store = rendezvous_store(args, where, 0, 1, wait)
+    store = rendezvous_store(args, where, 0, 1, wait, listener)
     store.set("default_pg/0", "10.0.0.7:4242")  # what a rank publishes for its peers
     assert [(h, p) for h, p in listening([os.getpid()]) if p == port] == [("127.0.0.1", port)]
     outsider = dist.TCPStore("127.0.0.1", port, 1, False, wait)  # reaches the port, no secret

@@ -6,7 +6,6 @@ engine must survive, and the stats must come back to idle."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -106,8 +105,7 @@ def test_internal_fields_are_ignored(main_server: Server):
 
 # ---- 2. unbounded work ------------------------------------------------------------------------
 def test_n_and_sequences_are_bounded(main_server: Server):
-    start = time.monotonic()
-    r = post(
+    r = post(  # each post's timeout is the hang guard: a refused n starts no work
         main_server, "/generate", {"text": "hi", "sampling_params": {"n": 4611686018427387904}}
     )
     assert_openai_error(r, 400, "sampling_params.n")
@@ -117,7 +115,6 @@ def test_n_and_sequences_are_bounded(main_server: Server):
                         400, "n")  # fmt: skip
     many = {"prompt": ["a"] * 200, "n": 64, "max_tokens": 1}
     assert_openai_error(post(main_server, "/v1/completions", many), 400, "prompt")
-    assert time.monotonic() - start < 120  # hang guard: a refused n starts no work
     assert httpx.get(main_server.url + "/health", timeout=5).status_code == 200
 
 
