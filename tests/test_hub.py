@@ -28,7 +28,7 @@ import pytest
 from deepseek_checkpoint import make_deepseek_server_checkpoint
 from filelock import FileLock
 from hub_standin import TOKEN, hub_env, running_hub
-from server_harness import HANG_GUARD_S, running_command, stop_group, wait_for
+from server_harness import HANG_GUARD_S, START_TIMEOUT_S, running_command, stop_group, wait_for
 
 from dsaserve.runtime.hub import is_repo_id
 
@@ -79,7 +79,8 @@ def test_serve_a_hub_id_then_offline_from_the_cache(repos: dict, tmp_path: Path)
         with running_command(serve_command("--model-path", GLM), env) as server:
             first = chat(server.base)
             info = httpx.get(server.url + "/get_model_info", timeout=HANG_GUARD_S).json()
-            served_from = httpx.get(server.url + "/get_server_info").json()["model_path"]
+            server_info = httpx.get(server.url + "/get_server_info", timeout=HANG_GUARD_S).json()
+            served_from = server_info["model_path"]
         fetched = hub.fetched()
     assert info["model_path"] == GLM and info["served_model_name"] == GLM
     snapshot = home / "hub" / "models--zai-org--GLM-5.3" / "snapshots" / hub.sha[GLM]
@@ -119,7 +120,7 @@ def test_revision_download_dir_tokenizer_and_drafter_ids(repos: dict, tmp_path: 
                  "--speculative-draft-model-path", GLM]  # fmt: skip
         run = subprocess.run([sys.executable, "-c", RESOLVE, *flags], capture_output=True,
                              text=True, env=hub_env(os.environ, hub.url, home),
-                             timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+                             timeout=START_TIMEOUT_S)  # fmt: skip  # hang guard
         assert run.returncode == 0, run.stderr
     model, model_id, tokenizer, drafter = json.loads(run.stdout)
     assert Path(model) == cache / "models--deepseek-ai--DeepSeek-V3.2/snapshots" / hub.sha[DEEPSEEK]
@@ -144,14 +145,14 @@ def test_unresolvable_ids_exit_2_with_one_line(repos: dict, tmp_path: Path) -> N
         with_token = {**online, "HF_TOKEN": TOKEN}
         run = subprocess.run([sys.executable, "-c", RESOLVE, "--model-path", DEEPSEEK],
                              capture_output=True, text=True, env=with_token,
-                             timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+                             timeout=START_TIMEOUT_S)  # fmt: skip  # hang guard
         assert run.returncode == 0, run.stderr  # the token opens it
     expect_refusal(GLM, online, "cannot be reached")  # the stand-in's port is closed now
 
 
 def expect_refusal(model: str, env: dict, reason: str) -> None:
     run = subprocess.run(serve_command("--model-path", model), capture_output=True, text=True,
-                         env=env, timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+                         env=env, timeout=START_TIMEOUT_S)  # fmt: skip  # hang guard
     errors = [line for line in run.stderr.splitlines() if "error" in line.lower()]
     assert run.returncode == 2, run.stderr
     assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
@@ -216,7 +217,7 @@ def test_the_offline_llm_takes_a_hub_id(repos: dict, tmp_path: Path) -> None:
     with running_hub(repos) as hub:
         env = server_env(hub_env(os.environ, hub.url, tmp_path / "hf"))
         run = subprocess.run([sys.executable, "-c", LLM_SCRIPT, GLM], capture_output=True,
-                             text=True, env=env, timeout=HANG_GUARD_S)  # fmt: skip  # hang guard
+                             text=True, env=env, timeout=START_TIMEOUT_S)  # fmt: skip  # hang guard
     assert run.returncode == 0 and run.stdout.split()[-1] == "2", run.stderr
     assert f"dsaserve: {GLM}: downloaded" in run.stderr
 
