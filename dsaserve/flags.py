@@ -194,8 +194,8 @@ SPECULATIVE = (
          "verified per round: steps + 1; DFLASH: the block size"),
     flag("--speculative-draft-model-path", "--speculative-draft-model",
          default="the embedded drafter with the embedded model", help="the DFlash / DFlash2 "
-         "drafter folder; one that does not fit the target (hidden size, vocab, target layer "
-         "ids) is refused naming the field"),
+         "drafter folder or Hub id (resolved at `main`); one that does not fit the target "
+         "(hidden size, vocab, target layer ids) is refused naming the field"),
     flag("--speculative-dflash-block-size", type=int,
          default="the drafter's `dflash_config.block_size`", help="DFLASH's verify window "
          "(alias of `--speculative-num-draft-tokens`)"),
