@@ -173,13 +173,16 @@ def _wait_ready(server: Server) -> str:
     return found[0]
 
 
-def wait_for(predicate: Callable[[], T], what: str, timeout: float = HANG_GUARD_S,
-             poll: float = 0.05) -> T:  # fmt: skip
+def wait_for(predicate: Callable[[], T], what: str | Callable[[], str],
+             timeout: float = HANG_GUARD_S, poll: float = 0.05) -> T:  # fmt: skip
     """Poll `predicate` until it returns something truthy and return that. `timeout` is a hang
-    guard (a condition that never comes fails the test, naming `what`), never a bound on speed."""
+    guard (a condition that never comes fails the test, naming `what`), never a bound on speed.
+    `what` may be a function, called on failure, to say the state last seen too."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):
-        assert time.monotonic() < deadline, f"waited {timeout:.0f}s, never saw: {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"waited {timeout:.0f}s, never saw: "
+                                 f"{what() if callable(what) else what}")  # fmt: skip
         time.sleep(poll)
     return value
 

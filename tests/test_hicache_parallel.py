@@ -156,7 +156,8 @@ def kill_a_rank_mid_load_back(server) -> None:
             answer.result(timeout=WATCHDOG_S + 120)  # hang guard
     assert httpx.get(server.url + "/health", timeout=10).status_code == 503
     gone = lambda: not any(os.path.exists(f"/proc/{pid}") for pid in (engine, follower))  # noqa: E731
-    wait_for(gone, "the engine and its follower gone")
+    alive = lambda: [p for p in (engine, follower) if os.path.exists(f"/proc/{p}")]  # noqa: E731
+    wait_for(gone, lambda: f"the engine and its follower gone; alive: {alive()}")
     left = {f for f in set(os.listdir("/dev/shm")) - shm_before if f.startswith("dsaserve")}
     assert not left
 

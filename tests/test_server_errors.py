@@ -100,7 +100,7 @@ def _idle(url: str, baseline: int | None = None) -> dict:
         freed = baseline is None or stats["kv_used_tokens"] <= baseline
         return stats if idle and freed else None
 
-    return wait_for(settled, "the engine idle, its KV back")
+    return wait_for(settled, lambda: f"the engine idle, its KV back; last: {_stats(url)}")
 
 
 def _give_up_once_running(url: str, body: dict) -> None:

@@ -201,7 +201,11 @@ def test_idle_after_fuzzing(client: httpx.Client):
         stats = client.get("/get_server_info").json()["internal_states"][0]
         return stats if stats["num_running"] == stats["num_waiting"] == 0 else None
 
-    stats = wait_for(idle, "nothing running or waiting after the fuzz")
+    def last() -> str:
+        info = client.get("/get_server_info").json()
+        return f"nothing running or waiting after the fuzz; last: {info}"
+
+    stats = wait_for(idle, last)
     assert stats["num_running"] == stats["num_waiting"] == 0, stats
     assert client.post("/abort_request", json={"abort_all": True}).json() == {"aborted": []}
     r = client.post("/generate", json={"text": "fresh", "sampling_params": {"max_new_tokens": 2}})

@@ -324,7 +324,8 @@ def test_idle_after_everything(main_server: Server):
         stats = httpx.get(main_server.url + "/get_server_info").json()["internal_states"][0]
         return stats if stats["num_running"] == 0 and stats["num_waiting"] == 0 else None
 
-    stats = wait_for(idle, "no request running or waiting")
+    last = lambda: httpx.get(main_server.url + "/get_server_info").json()  # noqa: E731
+    stats = wait_for(idle, lambda: f"no request running or waiting; last: {last()}")
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
     assert stats["kv_used_tokens"] == 0, stats
     assert httpx.post(main_server.url + "/abort_request", json={"abort_all": True}).json() == {
