@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+from engine_score import score
 from tiny_models import load_reference, make_checkpoint
 
 from dsaserve import LLM
@@ -25,7 +26,7 @@ def test_fp8_checkpoint_matches_dequantised_model(tmp_path):
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0]
         unquantised = original(torch.tensor([prompt])).logits[0]
-    got = llm.engine.score(prompt)
+    got = score(llm.engine, prompt)
     assert (got - expected).abs().max() / expected.abs().max() < 1e-4
     # and FP8 really changed the weights (the comparison above is not vacuous)
     assert (unquantised - expected).abs().max() > 1e-4
@@ -41,7 +42,7 @@ def test_bf16_compute_is_as_faithful_as_the_reference_in_bf16(tmp_path):
     with torch.no_grad():
         exact = reference(torch.tensor([prompt])).logits[0]
         reference_bf16 = reference.to(torch.bfloat16)(torch.tensor([prompt])).logits[0].float()
-    got = bf16.score(prompt)
+    got = score(bf16, prompt)
     # bf16 rounding flips a few discrete choices (experts, top-k tokens) in a random model, so
     # the bar is the reference's own bf16 error, not a fixed tolerance.
     error = lambda x: ((x - exact).abs().mean() / exact.abs().mean()).item()  # noqa: E731

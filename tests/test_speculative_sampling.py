@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_score import score
 from safetensors.torch import load_file, save_file
 from speculative_models import make_mtp_checkpoint
 
@@ -33,7 +34,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _probs(llm: LLM, ids: list[int]) -> torch.Tensor:
-    return llm.engine.score(ids)[-1, :VOCAB].double().softmax(-1)
+    return score(llm.engine, ids)[-1, :VOCAB].double().softmax(-1)
 
 
 def _marginals(llm: LLM) -> tuple[torch.Tensor, torch.Tensor]:
