@@ -28,12 +28,20 @@ import pytest
 from deepseek_checkpoint import make_deepseek_server_checkpoint
 from filelock import FileLock
 from hub_standin import TOKEN, hub_env, running_hub
-from server_harness import HANG_GUARD_S, START_TIMEOUT_S, running_command, stop_group, wait_for
+from server_harness import (
+    HANG_GUARD_S,
+    START_TIMEOUT_S,
+    Server,
+    running_command,
+    stop_group,
+    wait_for,
+)
 
 from dsaserve.runtime.hub import is_repo_id
 
 GLM, DEEPSEEK = "zai-org/GLM-5.3", "deepseek-ai/DeepSeek-V3.2"
 UNNEEDED = ("README.md", "original/consolidated.bin")  # in the repo, never read by a server
+RENDEZVOUS = re.compile(r"rendezvous on (\S+) ")  # node 0's line (runtime/ranks.py)
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +252,34 @@ def test_a_wait_on_another_programs_file_lock_names_its_pid(repos: dict, tmp_pat
     finally:
         held.release()
     assert f"(pid {os.getpid()} holds {lock})" in waiting[0], waiting
+
+
+def test_two_nodes_each_resolve_the_id_into_their_own_cache(repos: dict, tmp_path: Path) -> None:
+    """The planner's two-node command, as printed but for the address: node 1 runs its own
+    command with its own HF_HOME, resolves the id itself into that cache (one download per
+    node), and the two nodes' ranks serve it together. Node 0 takes `--dist-init-addr
+    127.0.0.1:0` and prints the port it holds; node 1 is given that."""
+    nodes = ["--model-path", GLM, "--tp", "2", "--nnodes", "2"]
+    node1: list[subprocess.Popen] = []
+    with running_hub(repos) as hub:
+        env0, env1 = (server_env(hub_env(os.environ, hub.url, tmp_path / n)) for n in "ab")
+
+        def start_node1(node0: Server) -> None:
+            found = wait_for(lambda: RENDEZVOUS.search(node0.output()), "node 0's rendezvous",
+                             START_TIMEOUT_S)  # fmt: skip
+            command = serve_command(*nodes, "--node-rank", "1", "--dist-init-addr", found[1])
+            quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+            node1.append(subprocess.Popen(command, env=env1, start_new_session=True, **quiet))
+
+        node0 = serve_command(*nodes, "--node-rank", "0", "--dist-init-addr", "127.0.0.1:0")
+        try:
+            with running_command(node0, env0, start_node1) as server:
+                chat(server.base)
+        finally:
+            for process in node1:
+                stop_group(process)
+        weights = [p for m, p in hub.requests if m == "GET" and p.endswith("/model.safetensors")]
+    assert len(weights) == 2, hub.requests  # one download per node
+    for home in ("a", "b"):
+        snapshot = tmp_path / home / "hub" / "models--zai-org--GLM-5.3" / "snapshots" / hub.sha[GLM]
+        assert (snapshot / "model.safetensors").is_file()
