@@ -256,7 +256,8 @@ PARALLEL = (
     flag("--nnodes", type=int, help="nodes: node 0 serves HTTP, the others run ranks only "
          "(under DP attention their groups' engines, driven from node 0 over TCP)"),
     flag("--node-rank", type=int, help="this node's index among `--nnodes`"),
-    flag("--dist-init-addr", help="node 0's host:port the nodes rendezvous at"),
+    flag("--dist-init-addr", help="node 0's host:port the nodes rendezvous at (on node 0, "
+         "port 0: it takes a free port and prints `rendezvous on HOST:PORT` for the others)"),
     flag("--enable-flashinfer-allreduce-fusion", **ON, help=ACCEPTED),
 )  # fmt: skip
 
