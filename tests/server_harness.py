@@ -37,6 +37,7 @@ BUILD_START = re.compile(r"building the native decode layers|waiting for another
 BUILD_END = re.compile(r"built the native decode layers|native CPU decode unavailable")
 CONTEXT_LENGTH = 1024
 HANG_GUARD_S = 120.0
+RENDEZVOUS = re.compile(r"rendezvous on (\S+) ")  # node 0's line (runtime/ranks.py)
 T = TypeVar("T")
 
 
@@ -185,6 +186,18 @@ def wait_for(predicate: Callable[[], T], what: str | Callable[[], str],
                                  f"{what() if callable(what) else what}")  # fmt: skip
         time.sleep(poll)
     return value
+
+
+def rendezvous_address(node0: Server) -> str:
+    """The address node 0 prints once it holds its rendezvous port (`--dist-init-addr HOST:0`,
+    runtime/ranks.py), for the other nodes' commands."""
+
+    def printed() -> str | None:
+        assert node0.process.poll() is None, node0.output()
+        found = RENDEZVOUS.search(node0.output())
+        return found and found.group(1)
+
+    return wait_for(printed, "node 0's rendezvous address", START_TIMEOUT_S)
 
 
 def wait_unhealthy(server: Server) -> str:

@@ -32,6 +32,7 @@ from server_harness import (
     HANG_GUARD_S,
     START_TIMEOUT_S,
     Server,
+    rendezvous_address,
     running_command,
     stop_group,
     wait_for,
@@ -41,7 +42,6 @@ from dsaserve.runtime.hub import is_repo_id
 
 GLM, DEEPSEEK = "zai-org/GLM-5.3", "deepseek-ai/DeepSeek-V3.2"
 UNNEEDED = ("README.md", "original/consolidated.bin")  # in the repo, never read by a server
-RENDEZVOUS = re.compile(r"rendezvous on (\S+) ")  # node 0's line (runtime/ranks.py)
 
 
 @pytest.fixture(scope="module")
@@ -265,9 +265,8 @@ def test_two_nodes_each_resolve_the_id_into_their_own_cache(repos: dict, tmp_pat
         env0, env1 = (server_env(hub_env(os.environ, hub.url, tmp_path / n)) for n in "ab")
 
         def start_node1(node0: Server) -> None:
-            found = wait_for(lambda: RENDEZVOUS.search(node0.output()), "node 0's rendezvous",
-                             START_TIMEOUT_S)  # fmt: skip
-            command = serve_command(*nodes, "--node-rank", "1", "--dist-init-addr", found[1])
+            where = rendezvous_address(node0)
+            command = serve_command(*nodes, "--node-rank", "1", "--dist-init-addr", where)
             quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
             node1.append(subprocess.Popen(command, env=env1, start_new_session=True, **quiet))
 

@@ -11,7 +11,6 @@ checked empty after.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -24,10 +23,10 @@ import openai
 import pytest
 from proc_sockets import alive
 from server_harness import (
-    START_TIMEOUT_S,
     Server,
     children,
     group_members,
+    rendezvous_address,
     running_server,
     stop_group,
     wait_for,
@@ -45,7 +44,6 @@ NEW = 6
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "16", "--watchdog-timeout", "60"]
 EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "2"]
 NODE0_ADDR = "127.0.0.1:0"  # node 0 takes a port from the OS and prints it (Node1 reads it)
-RENDEZVOUS = re.compile(r"rendezvous on (\S+) ")
 
 
 @pytest.fixture(scope="module")
@@ -251,12 +249,7 @@ class Node1:
         self.process: subprocess.Popen | None = None
 
     def __call__(self, node0: Server) -> None:
-        def address() -> str | None:
-            assert node0.process.poll() is None, node0.output()
-            found = RENDEZVOUS.search(node0.output())
-            return found and found.group(1)
-
-        where = wait_for(address, "node 0's rendezvous address", timeout=START_TIMEOUT_S)
+        where = rendezvous_address(node0)
         self.process = subprocess.Popen(
             [*self.command, "--dist-init-addr", where], start_new_session=True,
             env={**os.environ, "OMP_NUM_THREADS": "1"},
