@@ -35,7 +35,7 @@ MODES = {"native": {}, "layered": {"disable_fused_decode": True}}
 def one(mode: str, length: int, steps: int) -> dict:
     from dsaserve import LLM
     from dsaserve.assets import default_model_path
-    from dsaserve.engine.io import GenerateRequest
+    from dsaserve.engine.messages import GenerateRequest
 
     torch.set_num_threads(1)
     llm = LLM(str(default_model_path()), page_size=64, max_total_tokens=length + steps + 256,

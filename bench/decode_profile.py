@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from dsaserve.args import ServerArgs
 from dsaserve.assets import default_model_path
 from dsaserve.engine.engine import Engine
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 
 MODES = {"layered": {"disable_fused_decode": True}, "fused": {"disable_native_decode": True},
          "native": {}, "fused+compile": {"enable_torch_compile": True}}  # fmt: skip

@@ -11,7 +11,7 @@ EP8 (32 whole experts), the grouped FP8 expert GEMMs in both layouts at batch 1 
 prefill (contiguous) layout at a 4096-row chunk with half the experts idle) against the torch
 reference. Part 2 builds the engine's own model classes as one TP8 rank's slice (8 heads, every
 expert's eighth; 78 layers; random block-FP8 Linears and experts, bf16 elsewhere, FP8 KV cache)
-and times one decode step through the engine's CUDA-graph runner (dsaserve/engine/cuda_graph.py:
+and times one decode step through the engine's CUDA-graph runner (engine/decode/cuda_graph.py:
 the static decode forward captured once per batch, replayed) at batch 1, 8, 32, 64, over every
 Triton kernel (indexer, sparse MLA, block-FP8 GEMM, grouped masked MoE), and divides by the
 bytes-moved floor at the measured copy bandwidth; then the DFLASH parts (bench/gpu_check_dflash.py:

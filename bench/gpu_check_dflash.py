@@ -14,8 +14,8 @@ import torch
 from gpu_check_kernels import DEVICE, _check, _gen, _rel
 from gpu_check_run import _sync, decode_batch, rank_model, triton_kernels
 
-from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
+from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.kernels.draft_attention import draft_attention as reference
 from dsaserve.models.dsa_moe import index_cache_ids
 

@@ -27,7 +27,7 @@ from gpu_check import RankShapes, rank_shapes
 from triton.runtime.jit import JITFunction
 
 from dsaserve.deploy.models import BUILTIN_MODELS, spec_from_config
-from dsaserve.engine.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
+from dsaserve.engine.decode.cuda_graph import MAX_TABLE_ENTRIES, context_buckets, row_buckets
 from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
 from dsaserve.kernels.gpu_target import as_target
 from dsaserve.kernels.triton_draft_attention import draft_attention

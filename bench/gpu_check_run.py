@@ -10,8 +10,8 @@ import torch
 from gpu_check_kernels import DEVICE, _check, _rel, run_checks  # noqa: F401 (run_checks: the script's)
 from torch import nn
 
-from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
+from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.kernels.block_fp8 import FP8_DTYPE
 from dsaserve.kernels.registry import Kernels
 from dsaserve.layers.forward_batch import ForwardBatch

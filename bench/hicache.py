@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 
 PAGE = 64
 SUFFIX = 64

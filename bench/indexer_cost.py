@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from dsaserve.engine.decode.native import extension
 from dsaserve.kernels.indexer_scan import causal_topk
 from dsaserve.kernels.topk import topk_earliest
-from dsaserve.layers.cpu_decode import extension
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

@@ -222,7 +222,7 @@ def dsaserve_engine(model_path: Path, max_tokens: int, compile_step: bool):
 
 
 def _add(engine, rid: str, prompt: list[int], new: int):
-    from dsaserve.engine.io import GenerateRequest
+    from dsaserve.engine.messages import GenerateRequest
 
     sampling = {"max_tokens": new, "temperature": 0.0, "ignore_eos": True}
     engine.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling=sampling, stream=False))

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.assets import default_drafter_path, default_model_path
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.layers.forward_batch import current_batch
 
 QUESTIONS = [

@@ -94,7 +94,7 @@ class ServerArgs:
     fp8_gemm_backend: str = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
-    # CPU decode step (dsaserve/engine/decode_step.py)
+    # CPU decode step (dsaserve/engine/decode/fused_step.py)
     disable_fused_decode: bool = False
     disable_native_decode: bool = False
     enable_torch_compile: bool = False

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from dsaserve.args import ServerArgs
 from dsaserve.distributed.parallel_state import ParallelSizes
 from dsaserve.engine.engine import Engine
-from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
+from dsaserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.startup import pick_device
 from dsaserve.runtime.hub import resolve_checkpoints
 from dsaserve.runtime.memory_fit import check_memory_fit

@@ -51,6 +51,10 @@ FLOORS = {
     8: ("server", "cli", "plan_cli", "bench", "__init__"),
 }
 FLOOR_OF = {unit: floor for floor, units in FLOORS.items() for unit in units}
+# engine/'s rooms, bottom first, under the same rule inside engine/ (docs/architecture.md,
+# "Inside engine/"): "core" is engine/'s top-level modules, "engine" its engine.py
+ENGINE_ROOMS = {1: "kvcache", 2: "core", 3: "ranks", 4: "decode", 5: "spec", 6: "engine"}
+ROOM_LEVEL = {name: level for level, name in ENGINE_ROOMS.items()}
 LAZY = re.compile(r"^dsaserve(\.\w+)+:\w+$")  # "module:attribute", as the registries write
 DOC = ROOT / "docs" / "architecture.md"
 BEGIN, END = "<!-- import-graph:begin -->", "<!-- import-graph:end -->"
@@ -207,6 +211,34 @@ def upward(found: list[Edge]) -> list[Edge]:
     return [e for e in found if floor(e.target) > floor(e.source)]
 
 
+def room(module: str) -> str | None:
+    """The room of engine/ a module is in (None: not in engine/)."""
+    parts = module.split(".")
+    if parts[:2] != ["dsaserve", "engine"] or len(parts) < 3:
+        return None
+    if parts[2] in ROOM_LEVEL and parts[2] not in ("core", "engine"):
+        return parts[2]
+    return "engine" if parts[2] == "engine" else "core"
+
+
+def engine_upward(found: list[Edge]) -> list[Edge]:
+    """Imports inside engine/ from a room to a higher one."""
+    return [
+        e for e in found
+        if room(e.source) and room(e.target)
+        and ROOM_LEVEL[room(e.target)] > ROOM_LEVEL[room(e.source)]
+    ]  # fmt: skip
+
+
+def package_imports(found: list[Edge]) -> dict[str, set[str]]:
+    """Package module -> the other package modules it imports."""
+    out = defaultdict(set)
+    for e in found:
+        if e.source.startswith("dsaserve") and e.target.startswith("dsaserve"):
+            out[e.source].add(e.target)
+    return out
+
+
 def unit_graph(found: list[Edge]) -> dict[str, set[str]]:
     """Package unit -> the other package units it imports."""
     graph = defaultdict(set)
@@ -238,7 +270,26 @@ def picture(found: list[Edge]) -> str:
                 f"{f} " + " ".join(sorted(by_floor[f])) for f in sorted(by_floor, reverse=True)
             ]
             lines.append(f"    {_label(name):<22} -> " + (" | ".join(groups) or "(nothing)"))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _rooms_picture(found)) + "\n"
+
+
+def _room_label(name: str) -> str:
+    return {"core": "engine/*.py", "engine": "engine/engine.py"}.get(name, f"engine/{name}/")
+
+
+def _rooms_picture(found: list[Edge]) -> list[str]:
+    """engine/'s rooms, top first, each with the rooms it imports."""
+    graph = defaultdict(set)
+    for e in found:
+        if room(e.source) and room(e.target) and room(e.source) != room(e.target):
+            graph[room(e.source)].add(room(e.target))
+    lines = ["", "inside engine/, room by room:"]
+    for level in sorted(ENGINE_ROOMS, reverse=True):
+        name = ENGINE_ROOMS[level]
+        below = sorted(graph.get(name, ()), key=lambda r: -ROOM_LEVEL[r])
+        targets = " | ".join(f"{ROOM_LEVEL[r]} {_room_label(r)}" for r in below)
+        lines.append(f"    {level} {_room_label(name):<19} -> {targets or '(nothing)'}")
+    return lines
 
 
 def documented_picture() -> str | None:

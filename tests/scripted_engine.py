@@ -22,7 +22,7 @@ from typing import Any
 
 from dsaserve.args import ServerArgs
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
 
 SCRIPT_MARK = re.compile(r"\[\[script:([\w-]+)\]\]")
 

@@ -37,7 +37,7 @@ def check_native_verify(monkeypatch) -> list[int]:
     """Make every native verify (`ModelRunner.run_verify` on the native decode layers) also run
     the layered model on the same batch and assert the same logits and states (fp32, 1e-4);
     returns the row counts of the verifies checked (filled as they run)."""
-    from dsaserve.engine.model_runner import ModelRunner
+    from dsaserve.engine.decode.runner import ModelRunner
 
     native_run, checked = ModelRunner.run_verify, []
 

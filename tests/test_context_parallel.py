@@ -21,7 +21,7 @@ from dsaserve import LLM, SamplingParams
 from dsaserve.args import ArgsError, ServerArgs
 from dsaserve.deploy.memory import kv_bytes_per_token, layer_split_kv_bytes_per_token
 from dsaserve.deploy.models import load_model
-from dsaserve.engine.rounds import DistributedModel
+from dsaserve.engine.ranks.rounds import DistributedModel
 from dsaserve.runtime.preflight import refuse_unrunnable
 
 TOPK = 8

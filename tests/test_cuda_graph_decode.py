@@ -1,4 +1,4 @@
-"""CUDA-graph decode (dsaserve/engine/cuda_graph.py, layers/static_decode.py).
+"""CUDA-graph decode (dsaserve/engine/decode/cuda_graph.py, engine/decode/static.py).
 
 On CPU the runner is forced on with `capture=False`: every decode step then runs the static,
 padded step a graph would replay (rows padded to the bucket, the slot table to the context
@@ -23,19 +23,19 @@ from tiny_models import make_checkpoint
 from triton_env import gpu, needs_triton
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine import cuda_graph
-from dsaserve.engine.cuda_graph import (
+from dsaserve.engine.decode import cuda_graph
+from dsaserve.engine.decode.cuda_graph import (
     Bucket,
     CudaGraphRunner,
     batch_buckets,
     context_buckets,
     row_buckets,
 )
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.decode.fused import FusedDecode
+from dsaserve.engine.decode.static import StaticDecode
+from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.kernels.registry import DEFAULT_KERNELS
 from dsaserve.layers.forward_batch import ForwardBatch, forward_context
-from dsaserve.layers.fused import FusedDecode
-from dsaserve.layers.static_decode import StaticDecode
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
 

@@ -17,7 +17,8 @@ from speculative_models import check_native_verify, mixed_prompts
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.dflash_draft import Drafter, Proposals
+from dsaserve.engine.spec.draft import Drafter
+from dsaserve.engine.spec.verify import Proposals
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 BASE = dict(max_total_tokens=8192, page_size=4)

@@ -21,7 +21,7 @@ from dflash_models import drafter_config, random_tensors, write_drafter
 from safetensors.torch import load_file, save_file
 from tiny_models import make_checkpoint
 
-from dsaserve.engine.dflash_draft import DraftContext, Drafter
+from dsaserve.engine.spec.draft import DraftContext, Drafter
 from dsaserve.kernels.registry import Kernels
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.checkpoint_files import CheckpointError

@@ -20,8 +20,8 @@ import torch
 from dflash_models import write_drafter
 from tiny_models import make_checkpoint
 
-from dsaserve.engine import dflash_native
-from dsaserve.engine.dflash_draft import DraftContext, Drafter
+from dsaserve.engine.spec import draft_native as dflash_native
+from dsaserve.engine.spec.draft import DraftContext, Drafter
 from dsaserve.kernels.registry import Kernels
 from dsaserve.model_config import ModelConfig
 from dsaserve.models.dflash_loader import load_drafter

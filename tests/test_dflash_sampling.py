@@ -24,8 +24,8 @@ from test_speculative_sampling import _chi_square_p
 from tiny_models import load_reference, make_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.dflash_accept import Acceptor
 from dsaserve.engine.sampler import filtered_probs
+from dsaserve.engine.spec.verify import Acceptor
 
 VOCAB = 16
 PROMPT = [3, 7, 1, 12, 5, 9]

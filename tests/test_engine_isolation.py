@@ -16,7 +16,7 @@ from tiny_models import make_checkpoint
 from dsaserve import SamplingParams
 from dsaserve.args import ServerArgs
 from dsaserve.engine.engine import Engine
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.runtime.engine_process import EngineLoop
 from dsaserve.server.engine_client import EngineClient

@@ -7,7 +7,7 @@ import torch
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 

@@ -15,7 +15,7 @@ from tiny_models import make_checkpoint
 from triton_env import needs_triton
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine import cuda_graph
+from dsaserve.engine.decode import cuda_graph
 from dsaserve.kernels import triton_moe
 from dsaserve.kernels.block_fp8 import FP8_DTYPE, dequantize_block_fp8
 from dsaserve.layers.fp8_experts import Fp8Experts, keep_fp8_experts

@@ -1,4 +1,4 @@
-"""The fused decode path (dsaserve/layers/fused.py) against the layered model, step for step.
+"""The fused decode path (dsaserve/engine/decode/fused.py) against the layered model, step for step.
 
 Decode steps of a batch whose rows sit at different context lengths, below and above
 index_topk, on both families (GLM with a shared-indexer layer, DeepSeek with grouped routing and
@@ -17,9 +17,9 @@ import torch
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.engine.decode import native as cpu_decode
+from dsaserve.engine.decode.fused import FusedDecode, rotation
 from dsaserve.kernels.topk import topk_earliest
-from dsaserve.layers import cpu_decode
-from dsaserve.layers.fused import FusedDecode, rotation
 from dsaserve.layers.rotary import apply_rotary
 
 MODES = {"python": {"disable_native_decode": True}, "native": {}}

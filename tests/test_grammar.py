@@ -144,7 +144,7 @@ def test_uncompilable_grammar_is_refused_naming_the_field(llm: LLM):
 
 
 def test_a_slow_compile_does_not_hold_up_other_requests(llm: LLM, backend):
-    from dsaserve.engine.io import GenerateRequest
+    from dsaserve.engine.messages import GenerateRequest
 
     release = threading.Event()
 

@@ -15,8 +15,8 @@ import torch
 from speculative_models import make_mtp_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.hicache import HiRadixCache
-from dsaserve.engine.hicache_moves import page_slots
+from dsaserve.engine.kvcache.hicache import HiRadixCache
+from dsaserve.engine.kvcache.moves import page_slots
 
 PAGE = 8
 POOL = 96  # 12 pages: one 64-token prefix + its suffix and output, never two prefixes

@@ -168,9 +168,9 @@ def test_a_follower_replays_the_leaders_moves_on_its_own_tiers(tmp_path):
     are keyed by its own identity (none of the leader's keys)."""
     import torch
 
-    from dsaserve.engine.hicache_codec import PageCodec
-    from dsaserve.engine.hicache_moves import HostKVPool, TierMoves
-    from dsaserve.engine.hicache_storage import FileBackend, StorageTier
+    from dsaserve.engine.kvcache.codec import PageCodec
+    from dsaserve.engine.kvcache.moves import HostKVPool, TierMoves
+    from dsaserve.engine.kvcache.storage import FileBackend, StorageTier
 
     page, pages = 4, 8
 

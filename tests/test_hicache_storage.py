@@ -18,9 +18,10 @@ from speculative_models import make_mtp_checkpoint
 from test_hicache import GREEDY, PAGE, A, B, check_tree, result
 
 from dsaserve import LLM
-from dsaserve.engine import hicache_codec, hicache_storage
-from dsaserve.engine.hicache_storage import FileBackend
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.kvcache import codec as hicache_codec
+from dsaserve.engine.kvcache import storage as hicache_storage
+from dsaserve.engine.kvcache.storage import FileBackend
+from dsaserve.engine.messages import GenerateRequest
 
 FIRST, SECOND = [A[0], B[0]], [A[1], B[1]]  # the second pair reuses the first pair's prefixes
 
@@ -156,7 +157,7 @@ def test_damaged_page_is_skipped_logged_and_recomputed(checkpoint, expected, tmp
     keys = llm.engine.cache.storage.codec.page_keys(A[1][:64], PAGE)
     damage, message = DAMAGE[kind]
     damage(llm.engine.cache.storage.backend.dir / f"{keys[3]}.kv")
-    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.hicache_storage"):
+    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.kvcache.storage"):
         outs = serve(llm, SECOND)
     assert_recomputed_ok(outs, expected)
     assert [o.cached_tokens for o in outs] == [24, 64]  # pages before the bad one still load
@@ -183,7 +184,7 @@ def test_other_model_never_reads_these_pages(checkpoint, tmp_path, tmp_path_fact
     (theirs.backend.dir / f"{their_key}.kv").write_bytes(
         (ours.backend.dir / f"{our_key}.kv").read_bytes()
     )
-    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.hicache_storage"):
+    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.kvcache.storage"):
         assert theirs.read(their_key) is None
     assert "foreign identity" in caplog.text
 
@@ -196,7 +197,7 @@ def test_unwritable_storage_logs_and_keeps_serving(checkpoint, expected, tmp_pat
 
     monkeypatch.setattr(hicache_storage.os, "replace", fail)
     llm = storage_llm(checkpoint, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.hicache_storage"):
+    with caplog.at_level(logging.WARNING, logger="dsaserve.engine.kvcache.storage"):
         outs = serve(llm, FIRST + SECOND)
     assert result(outs[2:]) == expected
     assert "cannot write" in caplog.text and os.strerror(err) in caplog.text
@@ -210,7 +211,7 @@ def test_missing_directory_is_created_and_unusable_one_turns_storage_off(
     serve(created, FIRST)
     assert created.engine.stats()["hicache_storage_pages"] >= 16
     (tmp_path / "file").write_text("x")
-    with caplog.at_level(logging.ERROR, logger="dsaserve.engine.hicache_storage"):
+    with caplog.at_level(logging.ERROR, logger="dsaserve.engine.kvcache.storage"):
         llm = storage_llm(checkpoint, tmp_path / "file" / "sub")
     assert "cannot use" in caplog.text and "storage tier is off" in caplog.text
     outs = serve(llm, FIRST + SECOND)

@@ -47,6 +47,35 @@ def test_imports_only_go_down_the_floors(edges):
     assert upward == [], "imports that run up a floor (pass the value down instead)"
 
 
+def test_engine_rooms_import_only_downward(edges):
+    """Inside engine/: kvcache/ < its top-level modules < ranks/ < decode/ < spec/ < engine.py
+    (kvcache/ imports none of spec/, decode/, ranks/; a builder sits in the room it builds)."""
+    upward = [f"{e.source}:{e.line} -> {e.target}" for e in import_graph.engine_upward(edges)]
+    assert upward == []
+
+
+def test_engine_modules_stay_small_and_few(edges):
+    """No engine/ module imports more than 12 of the package's; at most 12 files at the top."""
+    wide = {m: len(t) for m, t in import_graph.package_imports(edges).items()
+            if m.startswith("dsaserve.engine") and len(t) > 12}  # fmt: skip
+    assert wide == {}
+    top = sorted(p.name for p in (ROOT / "dsaserve" / "engine").glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def test_the_room_checker_sees_an_upward_import_inside_engine(tmp_path: Path):
+    engine = tmp_path / "dsaserve" / "engine"
+    (engine / "kvcache").mkdir(parents=True)
+    (engine / "spec").mkdir()
+    (engine / "kvcache" / "pool.py").write_text("from dsaserve.engine.spec import eagle\n")
+    (engine / "spec" / "eagle.py").write_text("from dsaserve.engine import request\n")
+    (engine / "request.py").write_text("from dsaserve.engine.kvcache import pool\n")
+    found = import_graph.engine_upward(import_graph.edges(tmp_path))
+    assert [(e.source, e.target) for e in found] == [
+        ("dsaserve.engine.kvcache.pool", "dsaserve.engine.spec.eagle")
+    ]
+
+
 def test_every_module_is_on_a_documented_floor():
     doc = (ROOT / "docs" / "architecture.md").read_text()
     for module in import_graph.module_files():

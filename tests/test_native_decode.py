@@ -21,8 +21,8 @@ from test_fused_decode import Counted
 from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
+from dsaserve.engine.decode import native as cpu_decode
 from dsaserve.kernels.kv_quant import quantize_entry, quantize_key
-from dsaserve.layers import cpu_decode
 
 pytestmark = pytest.mark.skipif(
     cpu_decode.extension() is None, reason="the native decode extension does not build here"

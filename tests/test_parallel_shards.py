@@ -102,7 +102,7 @@ def check_slices(folder, tmp_path, block) -> None:
 
 def test_payload_round_trip():
     """What a leader broadcasts for an op is rebuilt exactly on the other ranks."""
-    from dsaserve.engine.round_payload import Op, OpInputs, pack, unpack
+    from dsaserve.engine.ranks.payload import Op, OpInputs, pack, unpack
     from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch
     from dsaserve.layers.indexer import Selection
 

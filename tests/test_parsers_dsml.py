@@ -12,7 +12,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsaserve.engine.io import RequestOutput
+from dsaserve.engine.messages import RequestOutput
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.server.generation import ChatChoice
 from dsaserve.server.parsers.chat_output import ChatOutputParser, collect

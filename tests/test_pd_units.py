@@ -21,8 +21,8 @@ from dsaserve.disaggregation import aux_record, bootstrap, kv_regions
 from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import KVPoll, Status, TransferInfo, parse_to_prefill
 from dsaserve.disaggregation.request_fields import attach_bootstrap
-from dsaserve.engine.io import Bootstrap, GenerateRequest, TokenLogprob
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.kvcache.pool import KVPool
+from dsaserve.engine.messages import Bootstrap, GenerateRequest, TokenLogprob
 from dsaserve.runtime import ipc
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.openai.protocol import GenerateRequestIn
@@ -253,7 +253,7 @@ def test_router_fields_on_requests() -> None:
 def test_kv_share_message_copies_exactly_the_slots(dtype):
     """A `--tp N` decode's first rank copies the entries it received to its other ranks: every
     layer of both pool tensors at those slots, bit for bit (FP8 pools are bytes), nothing else."""
-    from dsaserve.engine.round_payload import pool_entries, write_entries
+    from dsaserve.engine.ranks.payload import pool_entries, write_entries
 
     def pool(seed: int, width: int) -> torch.Tensor:
         t = torch.randn(3, 48, width, generator=torch.Generator().manual_seed(seed)) * 50

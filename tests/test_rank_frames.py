@@ -32,7 +32,7 @@ from tiny_models import make_checkpoint
 
 from dsaserve import process_tree
 from dsaserve.args import ServerArgs
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient

@@ -28,7 +28,7 @@ from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine import engine as engine_module
 from dsaserve.engine import shard as shard_module
 from dsaserve.engine.engine import Engine
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.runtime import follower
 from dsaserve.runtime.engine_process import DrivenEngine
 

@@ -17,8 +17,8 @@ import torch
 from speculative_models import check_native_verify, make_mtp_checkpoint, mixed_prompts
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.io import GenerateRequest
-from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.engine.messages import GenerateRequest
+from dsaserve.engine.spec.eagle import EagleDecoder
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -44,7 +44,7 @@ def oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], keep: floa
     """Replace the MTP draft by the known continuation, each token kept with prob `keep`."""
     rng = random.Random(seed)
 
-    def draft(self: SpecDecoder, reqs):
+    def draft(self: EagleDecoder, reqs):
         out = []
         for req in reqs:
             ref = references[tuple(req.prompt_ids)]
@@ -53,7 +53,7 @@ def oracle(monkeypatch, references: dict[tuple[int, ...], list[int]], keep: floa
             out.append([t if rng.random() < keep else rng.randrange(380) for t in true])
         return out
 
-    monkeypatch.setattr(SpecDecoder, "_draft", draft)
+    monkeypatch.setattr(EagleDecoder, "_draft", draft)
 
 
 def spec_llm(checkpoint, steps: int, **engine_args) -> LLM:
@@ -208,7 +208,7 @@ def test_reporting(monkeypatch, checkpoint, prompts, plain, caplog):
     llm = spec_llm(checkpoint, 3)
     engine = llm.engine
     outputs = []
-    with caplog.at_level("INFO", logger="dsaserve.engine.speculative"):
+    with caplog.at_level("INFO", logger="dsaserve.engine.spec.eagle"):
         for i, prompt in enumerate(prompts):
             engine.add_request(GenerateRequest(rid=str(i), input_ids=prompt,
                                                sampling=asdict(GREEDY), stream=False))  # fmt: skip

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from speculative_models import make_mtp_checkpoint
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.engine.spec.eagle import EagleDecoder
 
 VOCAB = 16
 PROMPT = [3, 7, 1, 12, 5, 9]
@@ -64,10 +64,10 @@ def test_verify_tokens_follow_target_distribution(monkeypatch, checkpoint):
     p1, p2 = _marginals(plain)
     proposal = [int(p1.argmax()), int(p2.argmax())]
 
-    def draft(self: SpecDecoder, reqs):
+    def draft(self: EagleDecoder, reqs):
         return [proposal[: self.num_steps] for _ in reqs]
 
-    monkeypatch.setattr(SpecDecoder, "_draft", draft)
+    monkeypatch.setattr(EagleDecoder, "_draft", draft)
     llm = LLM(checkpoint, max_total_tokens=1 << 16, page_size=4, speculative_algorithm="EAGLE",
               speculative_num_steps=2, max_running_requests=256, random_seed=123)  # fmt: skip
     params = SamplingParams(max_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, ignore_eos=True)

@@ -28,7 +28,7 @@ from tie_break import (
 from tiny_models import load_reference
 
 from dsaserve import LLM, SamplingParams
-from dsaserve.engine.speculative import SpecDecoder
+from dsaserve.engine.spec.eagle import EagleDecoder
 
 BOUND = 1e-5
 NEW = 16
@@ -158,7 +158,7 @@ def use_oracle_drafts(monkeypatch, alone_by_prompt: dict, seed: int) -> None:
     always rejected)."""
     rng = random.Random(seed)
 
-    def draft(self: SpecDecoder, reqs):
+    def draft(self: EagleDecoder, reqs):
         out = []
         for req in reqs:
             known = alone_by_prompt[tuple(req.prompt_ids)]
@@ -167,7 +167,7 @@ def use_oracle_drafts(monkeypatch, alone_by_prompt: dict, seed: int) -> None:
             out.append([t if rng.random() < 0.7 else rng.randrange(380) for t in true])
         return out
 
-    monkeypatch.setattr(SpecDecoder, "_draft", draft)
+    monkeypatch.setattr(EagleDecoder, "_draft", draft)
 
 
 @pytest.mark.parametrize("steps,drafts,args", SPEC_CASES, ids=lambda c: str(c))

@@ -7,7 +7,7 @@ import struct
 
 import torch
 
-from dsaserve.engine.io import TokenLogprob
+from dsaserve.engine.messages import TokenLogprob
 
 MAX_TOP = 20
 _HEAD = struct.Struct("<qdii")  # token, logprob, has_logprob, number of top entries

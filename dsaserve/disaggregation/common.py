@@ -26,7 +26,7 @@ from dsaserve.cluster.zmq_auth import ZmqAuth
 from dsaserve.disaggregation import aux_record, kv_regions
 from dsaserve.disaggregation.protocol import FrameError
 from dsaserve.disaggregation.transfer import create
-from dsaserve.engine.io import RequestOutput
+from dsaserve.engine.messages import RequestOutput
 from dsaserve.engine.request import Req
 
 logger = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from dsaserve.disaggregation.protocol import (
     TransferInfo,
     integer,
 )
-from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.kvcache.pool import KVPool
 
 Segment = tuple[int, int, int]  # (source address, destination address, length in bytes)
 

@@ -38,7 +38,7 @@ from dsaserve.disaggregation.protocol import (
     parse_to_prefill,
 )
 from dsaserve.disaggregation.transfer.base import HOST, fault_mode, pause_between_writes
-from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsaserve.args import ServerArgs
-from dsaserve.engine.io import Bootstrap, GenerateRequest
+from dsaserve.engine.messages import Bootstrap, GenerateRequest
 from dsaserve.web.errors import bad_request
 
 

@@ -9,34 +9,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-import torch
-from transformers import AutoTokenizer
 
 from dsaserve.args import ServerArgs
-from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.engine.admission import check_params, check_request, sampling_params
-from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.decode_step import DecodeStep
-from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.dflash_setup import block_size, build_decoder, load_dflash
-from dsaserve.engine.grammar_gate import GrammarGate
-from dsaserve.engine.io import GenerateRequest, RequestOutput, TokenLogprob
-from dsaserve.engine.kv_pool import page_slots
-from dsaserve.engine.model_runner import ModelRunner
-from dsaserve.engine.radix_cache import RadixCache
-from dsaserve.engine.report import report
+from dsaserve.engine.admission import Admission
+from dsaserve.engine.decode.build import build_runner
+from dsaserve.engine.kvcache.build import build_cache
+from dsaserve.engine.messages import GenerateRequest, RequestOutput, TokenLogprob
 from dsaserve.engine.request import Req
-from dsaserve.engine.rounds import DistributedModel, RankRunner
-from dsaserve.engine.sampler import Sampler, SamplingState
-from dsaserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from dsaserve.engine.sampler import Sampler
+from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.engine.shard import Shard, build_shard
-from dsaserve.engine.speculative import SpecDecoder
-from dsaserve.engine.startup import default_threads, generation_defaults, max_running, pick_device
-from dsaserve.kernels.kv_quant import kv_dtype_name
-from dsaserve.layers.fp8_experts import expert_bytes
+from dsaserve.engine.spec.build import build_spec
+from dsaserve.engine.stats import report
 
 logger = logging.getLogger(__name__)
 
@@ -55,20 +40,17 @@ class Engine:
             raise ValueError(f"Engine(args) with --tp {args.tp_size}: pass the ParallelState of "
                              "running ranks (runtime/ranks.py start_ranks; LLM and dsaserve "
                              "serve start them)")  # fmt: skip
-        if pick_device(args.device).type == "cpu":  # default: OMP_NUM_THREADS, else the cores
-            torch.set_num_threads(default_threads(args.threads))
-        elif args.threads is not None:
-            torch.set_num_threads(args.threads)
-        self.dflash = dflash_settings(args)  # DFLASH: a separate block drafter (engine/dflash.py)
-        self._init_shard(build_shard(args, self.parallel, show_progress))
-        self._init_runner()
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        self.generation_defaults = generation_defaults(Path(args.model_path))
-        self.eos_token_ids = list(self.generation_defaults.get("eos_token_id", []))
-        self.eos_token_ids = self.eos_token_ids or list(self.model_config.eos_token_ids)
+        shard = build_shard(args, self.parallel, show_progress, own_threads=True)
+        self._init_shard(shard)
+        self.cache = build_cache(args, shard.pool, shard.dtype, shard.with_mtp, self.parallel)
+        self.runner, self.scheduler, self.context_length = build_runner(args, shard, self.cache,
+                                                                        self.parallel)  # fmt: skip
+        self.model, self.graphs = self.runner.model, self.runner.graphs
+        if self.parallel.world > 1:
+            self.graphs = self.model.runner.graphs  # every rank replays its own
+        self.spec = build_spec(args, self.runner, shard)
+        self._init_admission(Admission(args, shard.config, self.context_length))
         self.sampler = Sampler(seed=args.random_seed)
-        vocab, backend = self.model_config.vocab_size, args.grammar_backend
-        self.grammar = GrammarGate(backend, self.tokenizer, vocab, self.eos_token_ids)
         self.reqs: dict[str, Req] = {}
         # disaggregation's hook: called on each finished request before its KV is released
         self.before_release: Callable[[Req], None] | None = None
@@ -79,78 +61,20 @@ class Engine:
         """This rank's model and KV pool (engine/shard.py, as every follower builds its own)."""
         self.model_config, self.device, self.dtype = shard.config, shard.device, shard.dtype
         self.kernels, self.spec_steps = shard.kernels, shard.spec_steps
-        self.with_mtp = shard.with_mtp
-        self.model, self.pool = shard.model, shard.pool
+        self.with_mtp, self.pool = shard.with_mtp, shard.pool
         self.fp8_ranks = shard.fp8_ranks  # every rank's FP8 report (FP8 checkpoints)
         self.fp8_linears, self.fp8_experts = shard.fp8_kept.linears, shard.fp8_kept.expert_layers
-        self.routed_expert_bytes = expert_bytes(self.model)  # this rank's
-        self.drafter = None  # the DFLASH drafter runs on this (the group's first) rank only
-        if self.dflash is not None:
-            self.drafter = load_dflash(self.dflash, self.model_config, self.dtype, self.device)
-        self.kv_dtype = kv_dtype_name(self.pool.index_cache.dtype)  # the stored form
+        self.routed_expert_bytes = shard.routed_expert_bytes  # this rank's
+        self.kv_dtype = self.pool.kv_dtype  # the stored form
         self.kv_bytes_per_token = shard.kv_bytes_per_token
-        if self.parallel.world > 1:
-            runner = RankRunner(self.model, self.pool.kv_cache, self.pool.index_cache,
-                                self.parallel, self.device)  # fmt: skip
-            self.model = DistributedModel(runner)
-        page_size = self.pool.page_size
-        self.cache = self._make_cache(page_size)
-        if self.parallel.world > 1 and self.args.enable_hierarchical_cache:
-            runner.tiers = self.cache.moves  # the group repeats its moves (hicache_moves.py)
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", self.pool.num_tokens,
-                    page_size, self.kv_bytes_per_token)  # fmt: skip
+                    self.pool.page_size, self.kv_bytes_per_token)  # fmt: skip
 
-    def _init_runner(self) -> None:
-        """The scheduler, the decode step, the model runner (with CUDA graphs) and EAGLE/MTP."""
-        cfg, args, mtp, page_size = self.model_config, self.args, self.with_mtp, self.pool.page_size
-        stored = self.pool.index_cache.dtype  # the pool's storage dtype (uint8: FP8)
-        running = max_running(args, mtp or self.drafter is not None, self.device)
-        drafts = block_size(self.dflash, self.drafter) - 1 if self.drafter else self.spec_steps
-        taps = self.drafter.config.target_layer_ids if self.drafter else ()
-        # CUDA-graph decode (engine/cuda_graph.py; takes one scratch page). With ranks every
-        # rank replays its own in the FORWARD rounds (followers: runtime/follower.py), so the
-        # ModelRunner here keeps none; not with a DFLASH drafter (its taps are the leader's).
-        ranks = self.parallel.world > 1
-        self.graphs = None
-        if not ranks or self.drafter is None:
-            model = self.model.runner.model if ranks else self.model
-            self.graphs = CudaGraphRunner.build(model, self.pool, self.kernels,
-                                                args.cuda_graph_max_bs, running, drafts,
-                                                args.disable_cuda_graph, taps)  # fmt: skip
-        if ranks:
-            self.model.runner.graphs = self.graphs
-        reserved = page_size if self.graphs is not None else 0
-        # Why the reserve: a verify run computes drafts + 1 tokens past the last kept one.
-        context = min(args.context_length or cfg.context_length,
-                      self.pool.num_tokens - reserved - drafts)  # fmt: skip
-        self.context_length = context
-        chunk = args.chunked_prefill_size or (8192 if self.device.type == "cuda" else 2048)
-        config = SchedulerConfig(running, chunk, context, decode_tokens=drafts + 1)
-        self.scheduler = Scheduler(config, self.pool, self.cache)
-        # The fused decode path reads the pool and the weights itself: only over the torch
-        # kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an
-        # fp32, bf16 or FP8 pool; the Python fused path an fp32 one (engine/decode_step.py).
-        plain = set(self.kernels.names.values()) == {"torch"} and self.parallel.world == 1
-        fused = plain and not args.disable_fused_decode
-        native = not args.disable_native_decode
-        step = DecodeStep.build(self.model, fused, args.enable_torch_compile, native=native,
-                                cache_dtype=stored)  # fmt: skip
-        self.runner = ModelRunner(self.model, self.pool, self.device, self.kernels, step,
-                                  None if ranks else self.graphs)  # fmt: skip
-        self.spec = None
-        if mtp:
-            share = cfg.index_share_for_mtp_iteration
-            self.spec = SpecDecoder(self.model, self.runner, self.spec_steps, share)
-        if self.drafter is not None:
-            self.spec = build_decoder(self.runner, self.drafter, self.kernels,
-                                      self.pool.num_tokens, self.dflash, native)  # fmt: skip
-
-    def _make_cache(self, page_size: int) -> RadixCache:
-        if not self.args.enable_hierarchical_cache:
-            return RadixCache(self.pool.pages, page_size, enabled=not self.args.disable_radix_cache)
-        from dsaserve.engine.hicache_setup import build_hicache
-
-        return build_hicache(self.args, self.pool, self.dtype, self.with_mtp, self.parallel)
+    def _init_admission(self, admission: Admission) -> None:
+        self.admission = admission
+        self.tokenizer, self.grammar = admission.tokenizer, admission.grammar
+        self.generation_defaults = admission.generation_defaults
+        self.eos_token_ids = admission.eos_token_ids
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -167,16 +91,7 @@ class Engine:
 
     def make_req(self, request: GenerateRequest) -> Req:
         """A checked `Req` for `request`, not yet queued (ValueError naming the field)."""
-        vocab = self.model_config.vocab_size
-        check_request(request, self.reqs, vocab, self.context_length)
-        params = sampling_params(request.sampling, self.generation_defaults)
-        check_params(params, vocab, self.grammar.compiler is not None)
-        state = SamplingState(params, request.input_ids, vocab, self.eos_token_ids)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, request.input_ids, params.stop, params.skip_special_tokens,
-            params.no_stop_trim,
-        )  # fmt: skip
-        return Req(request.rid, list(request.input_ids), params, state, detok, request.stream)
+        return self.admission.make_req(request, self.reqs)
 
     def adopt(
         self, req: Req, pages: list[int], first: int, logprob: TokenLogprob | None
@@ -185,7 +100,7 @@ class Engine:
         `first` is the token sampled after it (prefill/decode disaggregation)."""
         req.pages, req.kv_len, req.cached_tokens = list(pages), len(req.prompt_ids), 0
         if self.parallel.attn_tp > 1:  # it arrived in this rank's pool: the group needs it too
-            self.model.share_slots(page_slots(pages, self.pool.page_size))
+            self.model.share_slots(self.pool.slots(pages, 0, len(pages) * self.pool.page_size))
         self.scheduler.adopt(req)
         self.reqs[req.rid] = req
         self._append(req, first, logprob)

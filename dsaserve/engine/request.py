@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from dsaserve.engine.detokenizer import IncrementalDetokenizer
-from dsaserve.engine.io import RequestOutput, TokenLogprob
-from dsaserve.engine.radix_cache import TreeNode
+from dsaserve.engine.kvcache.radix import TreeNode
+from dsaserve.engine.messages import RequestOutput, TokenLogprob
 from dsaserve.engine.sampler import SamplingState
 from dsaserve.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsaserve.engine.io import TokenLogprob
+from dsaserve.engine.messages import TokenLogprob
 from dsaserve.grammar.bitmask import Filled, apply_grammars, constrained_rows
 from dsaserve.grammar.state import GrammarState
 from dsaserve.sampling_params import SamplingParams

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine.kv_pool import KVPool, page_slots
-from dsaserve.engine.radix_cache import RadixCache
+from dsaserve.engine.kvcache.pool import KVPool, page_slots
+from dsaserve.engine.kvcache.radix import RadixCache
 from dsaserve.engine.request import Req
 
 

@@ -8,22 +8,19 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 from torch import nn
 
 from dsaserve.args import ServerArgs, speculative_settings
-from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.dflash_setup import context_bytes_per_token
-from dsaserve.engine.kv_pool import KVPool
-from dsaserve.engine.startup import pick_device, pick_dtype, tokens_from_memory
-from dsaserve.kernels.kv_quant import resolve_kv_dtype
+from dsaserve.engine.kvcache.pool import KVPool
+from dsaserve.engine.kvcache.sizing import build_pool
+from dsaserve.engine.startup import default_threads, pick_device, pick_dtype
 from dsaserve.kernels.registry import Kernels, choose_kernels
-from dsaserve.layers.layer_split import split_kv_cache
+from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.model_config import ModelConfig
-from dsaserve.models.dsa_moe import DsaMoeForCausalLM, index_cache_ids
+from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 from dsaserve.models.fp8_keep import KeptFp8, RankReport, keep_fp8_weights, rank_reports
 from dsaserve.models.load_targets import held_bytes
 from dsaserve.models.loader import load_checkpoint
@@ -43,16 +40,24 @@ class Shard:
     kv_bytes_per_token: int
     fp8_kept: KeptFp8 = field(default_factory=KeptFp8)
     fp8_ranks: list[RankReport] = field(default_factory=list)  # every rank's, FP8 checkpoints
+    routed_expert_bytes: int = 0  # this rank's routed experts, as held
 
     @property
     def with_mtp(self) -> bool:
         return self.spec_steps > 0
 
 
-def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool = True) -> Shard:
+def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool = True,
+                own_threads: bool = False) -> Shard:  # fmt: skip
     """This rank's shard. With more than one rank it is a collective (the FP8 reports and the
-    pool's page count are gathered): every rank of the layout calls it once, in step."""
+    pool's page count are gathered): every rank of the layout calls it once, in step.
+    `own_threads`: this process takes its torch threads from --threads (the leader's engine; a
+    follower's are shared out before, runtime/ranks.py)."""
     device = rank_device(args.device, parallel)
+    if own_threads and device.type == "cpu":  # default: OMP_NUM_THREADS, else the cores
+        torch.set_num_threads(default_threads(args.threads))
+    elif own_threads and args.threads is not None:
+        torch.set_num_threads(args.threads)
     config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
     dtype = pick_dtype(args.dtype, config, device)
     kernels = choose_kernels(args, device.type)
@@ -69,7 +74,8 @@ def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool =
                        before_load=keep_fp8)  # fmt: skip
     reports = rank_reports(model, parallel, kept) if config.quantization == "fp8" else []
     pool, per_token = build_pool(args, config, steps > 0, dtype, device, parallel)
-    return Shard(config, device, dtype, kernels, steps, model, pool, per_token, kept, reports)
+    return Shard(config, device, dtype, kernels, steps, model, pool, per_token, kept, reports,
+                 expert_bytes(model))  # fmt: skip
 
 
 def rank_device(name: str, parallel: ParallelState) -> torch.device:
@@ -78,21 +84,6 @@ def rank_device(name: str, parallel: ParallelState) -> torch.device:
     if parallel.world > 1 and device.type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def build_pool(args: ServerArgs, config: ModelConfig, with_mtp: bool, dtype: torch.dtype,
-               device: torch.device, parallel: ParallelState) -> tuple[KVPool, int]:  # fmt: skip
-    """The KV pool (and its bytes per token): its storage dtype from --kv-cache-dtype, its
-    pages from --max-total-tokens or the memory, agreed over the ranks. A token also takes a
-    DFLASH drafter's context entry (engine/dflash_draft.py), beside the pool."""
-    stored = resolve_kv_dtype(args.kv_cache_dtype, dtype, device)
-    dflash = dflash_settings(args)
-    extra = context_bytes_per_token(dflash, dtype) if dflash is not None else 0
-    pages = pool_pages(args, config, with_mtp, stored, device, parallel, extra)
-    index_layers = len(index_cache_ids(config, with_mtp))
-    pool = KVPool(config, pages, args.page_size or 64, index_layers, with_mtp, stored, device,
-                  fp8=stored == torch.uint8, split=layer_split(args, parallel))  # fmt: skip
-    return pool, pool_bytes_per_token(config, with_mtp, stored) + extra
 
 
 def load_model(args: ServerArgs, config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -127,32 +118,3 @@ def held_weight_bytes(args: ServerArgs, parallel: ParallelState, device: torch.d
     model = meta_model(config, bool(spec and spec[0]), parallel)
     keep_fp8_weights(model, config.quantization, kernels.names, kernels, args.model_path)
     return held_bytes(model, dtype)
-
-
-def pool_bytes_per_token(config: ModelConfig, with_mtp: bool, stored: torch.dtype) -> int:
-    """KV bytes a token takes; `stored` is the pool's dtype (uint8: the FP8 layout)."""
-    return KVPool.bytes_per_token(config, len(index_cache_ids(config, with_mtp)), with_mtp,
-                                  stored.itemsize, stored == torch.uint8)  # fmt: skip
-
-
-def layer_split(args: ServerArgs, parallel: ParallelState):
-    """The KV pool's LayerSplit hook (None unless --enable-dsa-cache-layer-split)."""
-    if not args.enable_dsa_cache_layer_split:
-        return None
-    return partial(split_kv_cache, args, parallel)
-
-
-def pool_pages(args: ServerArgs, config: ModelConfig, with_mtp: bool, stored: torch.dtype,
-               device: torch.device, parallel: ParallelState,
-               extra_per_token: int = 0) -> int:  # fmt: skip
-    """KV pages; every rank computes it and the smallest wins, so all pools have one layout.
-    `extra_per_token`: bytes a token also takes beside the pool (a DFlash drafter's context)."""
-    per_token = pool_bytes_per_token(config, with_mtp, stored) + extra_per_token
-    tokens = args.max_total_tokens or tokens_from_memory(args, per_token, device)
-    pages = max(tokens // (args.page_size or 64), 2)
-    if parallel.world > 1:
-        agreed = torch.tensor([pages])
-        torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN,
-                                     group=parallel.cpu_group)  # fmt: skip
-        pages = int(agreed)
-    return pages

@@ -14,7 +14,6 @@ from dsaserve.model_config import ModelConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-CPU_MAX_TOTAL_TOKENS = 1 << 18
 
 
 def physical_cores() -> int:
@@ -59,14 +58,6 @@ def max_running(args: ServerArgs, speculative: bool, device: torch.device) -> in
     """`--max-running-requests`, else 48 with speculation (SGLang's), 256 on CUDA, 64 on CPU."""
     default = 48 if speculative else (256 if device.type == "cuda" else 64)
     return args.max_running_requests or default
-
-
-def tokens_from_memory(args: ServerArgs, per_token: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * (args.mem_fraction_static or 0.85) // per_token)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(int(total * (args.mem_fraction_static or 0.05) // per_token), CPU_MAX_TOTAL_TOKENS)
 
 
 def generation_defaults(path: Path) -> dict:

@@ -1,6 +1,6 @@
 // The decode step of a DSA MoE model for all-decode batches on CPU, in one C++ call.
 //
-// The same math as dsaserve/layers/fused.py (FusedDecode), which stays the reference: the
+// The same math as dsaserve/engine/decode/fused.py (FusedDecode), which stays the reference: the
 // embedding, every decoder layer, the final norm and the LM head run without returning to
 // Python. One job on the persistent pool (cpu_decode_pool.h) per step: every thread walks the
 // layers, each phase split across the threads (a linear by output columns over all of the

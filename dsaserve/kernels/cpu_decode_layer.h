@@ -26,7 +26,7 @@ namespace dsa {
 
 using torch::Tensor;
 
-// The order of a layer's tensors, ints and floats (layers/cpu_decode.py layer_fields).
+// The order of a layer's tensors, ints and floats (engine/decode/native.py layer_fields).
 enum Slot {
   kInNorm, kWIn, kBIn, kQaNorm, kWQres, kKvNorm, kWUkT, kWUv, kWO, kBO, kPostNorm, kMlpGateUp,
   kMlpDown, kRouter, kRouterBias, kExpGateUp, kExpDown, kIdxNormW, kIdxNormB, kNumSlots

@@ -1,4 +1,4 @@
-// A DFlash / DFlash2 drafter's block forward on CPU in one C++ call (engine/dflash_native.py).
+// A DFlash / DFlash2 drafter's block forward on CPU in one C++ call (engine/spec/draft_native.py).
 //
 // The same math as dsaserve/models/dflash.py `DFlashDraftModel.block_hidden` with the torch
 // `draft_attention` op (kernels/draft_attention.py), which stay the reference and the path on
@@ -50,7 +50,7 @@ const float* fp32(const Tensor& t) {
   return t.data_ptr<float>();
 }
 
-// One layer's weights: tensors in engine/dflash_native.py `layer_tensors` order.
+// One layer's weights: tensors in engine/spec/draft_native.py `layer_tensors` order.
 struct Layer {
   std::vector<Tensor> keep;  // owns what the pointers below read
   const float *in_norm, *post_norm, *q_norm, *k_norm;

@@ -73,3 +73,17 @@ def apply_rotary(
     else:
         x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotation(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """[T, d, d] matrices R with x @ R == apply_rotary(x, cos, sin, interleave) per row."""
+    tokens, half = cos.shape
+    rot = cos.new_zeros(tokens, 2 * half, 2 * half)
+    idx = torch.arange(half)
+    first, second = (2 * idx, 2 * idx + 1) if interleave else (idx, idx + half)
+    # out[:, :half] = x1 cos - x2 sin; out[:, half:] = x2 cos + x1 sin
+    rot[:, first, idx] = cos
+    rot[:, second, idx] = -sin
+    rot[:, second, idx + half] = cos
+    rot[:, first, idx + half] = sin
+    return rot

@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.layers.fused import rotation
 from dsaserve.layers.moe import MLP
 from dsaserve.layers.norm import RMSNorm
-from dsaserve.layers.rotary import Rotary, apply_rotary
+from dsaserve.layers.rotary import Rotary, apply_rotary, rotation
 from dsaserve.models.dflash_config import DFlashConfig
 from dsaserve.models.dflash_selector import CandidateSelector
 

@@ -60,6 +60,10 @@ class DFlashConfig:
         """Width of one layer's cached context entry: K and V of every KV head."""
         return 2 * self.num_kv_heads * self.head_dim
 
+    def context_bytes_per_token(self, itemsize: int) -> int:
+        """The drafter's context entry per target token (every layer's K and V), in bytes."""
+        return self.num_layers * self.kv_dim * itemsize
+
     @classmethod
     def from_dir(cls, path: str | Path) -> DFlashConfig:
         raw = read_config(Path(path))

@@ -29,8 +29,8 @@ from dsaserve.args import ServerArgs
 from dsaserve.cluster.frame_log import FrameLog
 from dsaserve.cluster.secret import cluster_secret
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.engine.io import GenerateRequest, RequestOutput
-from dsaserve.engine.rounds import Stopped
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
+from dsaserve.engine.ranks.rounds import Stopped
 from dsaserve.engine.startup import pick_device
 from dsaserve.runtime import heartbeat, ipc
 from dsaserve.runtime.ranks import LocalRanks, start_ranks

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.distributed.rendezvous import init_rank
-from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.hicache_setup import build_rank_tiers
-from dsaserve.engine.rounds import RankRunner
+from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
+from dsaserve.engine.kvcache.build import build_rank_tiers
+from dsaserve.engine.ranks.rounds import RankRunner
 from dsaserve.engine.shard import build_shard
 from dsaserve.engine.startup import max_running, pick_device
 from dsaserve.runtime import heartbeat

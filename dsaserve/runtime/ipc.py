@@ -16,7 +16,7 @@ import msgspec
 
 from dsaserve.cluster.addresses import tcp_endpoint
 from dsaserve.cluster.zmq_auth import ZmqAuth
-from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
 
 
 class Submit(msgspec.Struct, tag=True):

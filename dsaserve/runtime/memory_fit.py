@@ -26,8 +26,9 @@ from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import Plan, nearest, plan
 from dsaserve.distributed.parallel_state import ParallelSizes, ParallelState
-from dsaserve.engine.shard import held_weight_bytes, pool_bytes_per_token
-from dsaserve.engine.startup import pick_device, pick_dtype, tokens_from_memory
+from dsaserve.engine.kvcache.sizing import pool_bytes_per_token, tokens_from_memory
+from dsaserve.engine.shard import held_weight_bytes
+from dsaserve.engine.startup import pick_device, pick_dtype
 from dsaserve.kernels.kv_quant import resolve_kv_dtype
 from dsaserve.model_config import ConfigError, ModelConfig
 from dsaserve.models.checkpoint_files import CheckpointError
@@ -80,7 +81,7 @@ def memory_need(args: ServerArgs) -> MemoryNeed:
 
 
 def kv_pool_bytes(args: ServerArgs, device: torch.device) -> int:
-    """One rank's KV pool as the engine will size it (engine/shard.py pool_pages)."""
+    """One rank's KV pool as the engine will size it (engine/kvcache/sizing.py pool_pages)."""
     config = ModelConfig.from_hf(args.model_path, json.loads(args.json_model_override_args or "{}"))
     stored = resolve_kv_dtype(args.kv_cache_dtype, pick_dtype(args.dtype, config, device), device)
     per_token = pool_bytes_per_token(config, args.speculative_algorithm in ("EAGLE", "NEXTN"),

@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.runtime import ipc
 from dsaserve.server.engine_client import EngineClient
 from dsaserve.web.errors import APIError

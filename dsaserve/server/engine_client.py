@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from dsaserve.cluster.frame_log import FrameLog
-from dsaserve.engine.io import GenerateRequest, RequestOutput
+from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.runtime import ipc
 from dsaserve.sampling_params import GRAMMAR_FIELDS
 from dsaserve.web.errors import APIError

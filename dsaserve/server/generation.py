@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from dsaserve.engine.io import RequestOutput
+from dsaserve.engine.messages import RequestOutput
 from dsaserve.server.engine_client import RequestStream
 from dsaserve.server.parsers.chat_output import ChatOutputParser
 from dsaserve.server.parsers.events import Event, ToolCallArgs, ToolCallStart

@@ -13,7 +13,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from dsaserve.engine.io import RequestOutput
+from dsaserve.engine.messages import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 THROUGHPUT_WINDOW_S = 10.0

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.args import ServerArgs
-from dsaserve.engine.io import GenerateRequest
+from dsaserve.engine.messages import GenerateRequest
 from dsaserve.sampling_params import SamplingParams
 from dsaserve.server.parsers.registry import (
     DEEPSEEK_V32,

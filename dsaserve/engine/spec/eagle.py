@@ -37,12 +37,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine.io import TokenLogprob
-from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.engine.decode.runner import ModelRunner
+from dsaserve.engine.messages import TokenLogprob
 from dsaserve.engine.request import Req
-from dsaserve.engine.sampler import Sampler, SamplingState
+from dsaserve.engine.sampler import Sampler
 from dsaserve.engine.scheduler import ScheduledBatch
-from dsaserve.engine.spec_report import SpecCounters, SpecReport
+from dsaserve.engine.spec.report import SpecReport
+from dsaserve.engine.spec.verify import Acceptor, Proposals, VerifyLayout
 from dsaserve.layers.forward_batch import forward_context
 from dsaserve.layers.indexer import Selection, row_mask
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
@@ -60,53 +61,7 @@ class Draft:
     selection: torch.Tensor | None  # [position + 1] bool: its indexer top-k (None: all)
 
 
-class VerifyLayout:
-    """Row bookkeeping for one step: which entries verify (over `num_steps` drafts + the last
-    token), and where each entry's rows are (EAGLE and DFlash alike)."""
-
-    def __init__(self, scheduled: ScheduledBatch, verify: list[bool], num_steps: int) -> None:
-        self.verify = verify
-        self.ends = [s + num_steps + 1 if v else e
-                     for s, e, v in zip(scheduled.starts, scheduled.ends, verify)]  # fmt: skip
-        self.offsets, row = [], 0
-        for s, e in zip(scheduled.starts, self.ends):
-            self.offsets.append(row)
-            row += e - s
-
-    def logits_rows(self, scheduled: ScheduledBatch, k: int) -> tuple[dict[int, int], list[int]]:
-        """({entry: index of its first logits row}, the hidden rows to take logits of): every
-        row of a verify run (k + 1), the last row of a chunk that ends its prompt."""
-        first_row: dict[int, int] = {}
-        rows: list[int] = []
-        for i, req in enumerate(scheduled.reqs):
-            if self.verify[i]:
-                first_row[i] = len(rows)
-                rows += range(self.offsets[i], self.offsets[i] + k + 1)
-            elif scheduled.ends[i] == len(req.fill_ids):
-                first_row[i] = len(rows)
-                rows.append(self.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
-        return first_row, rows
-
-
-def is_plain_greedy(state: SamplingState) -> bool:
-    """Greedy with nothing that depends on the output so far (the sampler's argmax path).
-
-    A grammar does depend on it: such rows are sampled one verify row at a time, each masked by
-    the grammar after the tokens accepted before it, so a draft token the grammar forbids is
-    never accepted (the target's masked token differs from it) and greedy constrained output is
-    token for token the non-speculative one.
-    """
-    params = state.params
-    return (
-        state.grammar is None
-        and params.greedy
-        and not state.has_penalties
-        and params.logprobs is None
-        and len(state.output_ids) >= params.min_tokens
-    )
-
-
-class SpecDecoder:
+class EagleDecoder:
     """Runs one engine step with MTP drafting and target verification (see the module doc)."""
 
     def __init__(
@@ -116,7 +71,6 @@ class SpecDecoder:
         self.runner = runner
         self.num_steps = num_steps
         self.share_index = share_index and num_steps > 1
-        self._greedy_ids: list[int] | None = None
         self.report = SpecReport(num_steps)
 
     # ---- the step -------------------------------------------------------------------------
@@ -186,40 +140,15 @@ class SpecDecoder:
 
     def _accept(self, scheduled, layout: VerifyLayout, drafts, first_row, logits, sampler,
                 append) -> list[int]:  # fmt: skip
-        """Emit tokens row by row (see the module doc, 3.); return the tokens emitted per entry."""
-        reqs, k = scheduled.reqs, self.num_steps
-        states = [reqs[i].sampling for i in first_row]
-        plain = all(map(is_plain_greedy, states))
-        self._greedy_ids = logits.argmax(dim=-1).tolist() if plain else None
-        draft_of = dict(zip([i for i, v in enumerate(layout.verify) if v], drafts))
-        emitted, active, step = [0] * len(reqs), list(first_row), SpecCounters()
-        for r in range(k + 1):
-            if not active:
-                break
-            rows_now = [first_row[i] + r for i in active]
-            states = [reqs[i].sampling for i in active]
-            token_ids, logprobs = self._sample(logits, rows_now, states, sampler)
-            still = []
-            for i, token, logprob in zip(active, token_ids, logprobs):
-                append(reqs[i], token, logprob)
-                emitted[i] += 1
-                draft = draft_of.get(i)
-                if draft is not None and r < k and token == draft[r]:
-                    step.correct_drafts += 1
-                    reqs[i].spec_correct_drafts += 1
-                    if not reqs[i].finished:
-                        still.append(i)
-            active = still
-        step.count_verifies([reqs[i] for i in draft_of], [emitted[i] for i in draft_of], k)
-        self.report.add(step)
+        """Emit tokens row by row (see the module doc, 3.; spec/verify.py); return the tokens
+        emitted per entry."""
+        verifying = [i for i, v in enumerate(layout.verify) if v]
+        rows = {i: row for row, i in enumerate(verifying)}  # entry -> its row of `drafts`
+        acceptor = Acceptor(sampler, append)
+        emitted, counts = acceptor.run(scheduled.reqs, first_row, logits, rows, Proposals(drafts),
+                                       self.num_steps)  # fmt: skip
+        self.report.add(counts)
         return emitted
-
-    def _sample(self, logits, rows: list[int], states, sampler: Sampler) -> tuple[list, list]:
-        """The target's token for each of `rows`, as the sampler draws it without speculation."""
-        if self._greedy_ids is not None:  # all plain greedy: one argmax over every row
-            return [self._greedy_ids[r] for r in rows], [None] * len(rows)
-        result = sampler(logits[rows], states)
-        return result.token_ids, result.logprobs
 
     def _catch_up(self, scheduled, layout: VerifyLayout, hidden: torch.Tensor) -> None:
         """MTP over [start, kv_len) of every entry; store the next round's first draft."""

@@ -1,6 +1,6 @@
 """HiCache: the radix tree over three tiers (device pool, host pool, storage files).
 
-The tree decides; the bytes move in engine/hicache_moves.py (on this rank's tiers, and under
+The tree decides; the bytes move in engine/kvcache/moves.py (on this rank's tiers, and under
 `--tp N` repeated by every other rank of the group on its own).
 
 A node's `pages` are its device pages, `host_pages` its host copy. Device eviction demotes a node
@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from dsaserve.engine.hicache_moves import HostKVPool, TierMoves
-from dsaserve.engine.hicache_storage import Prefetch, StorageTier
-from dsaserve.engine.kv_pool import KVPool, PagePool
-from dsaserve.engine.radix_cache import RadixCache, TreeNode
+from dsaserve.engine.kvcache.moves import HostKVPool, TierMoves
+from dsaserve.engine.kvcache.pool import KVPool, PagePool
+from dsaserve.engine.kvcache.radix import RadixCache, TreeNode
+from dsaserve.engine.kvcache.storage import Prefetch, StorageTier
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2, "write_back": None}
 PREFETCH_DEFAULTS = {"prefetch_threshold": 256, "prefetch_timeout_base": 1.0,
@@ -41,7 +41,7 @@ class HiRadixCache(RadixCache):
                  storage: StorageTier | None = None, prefetch_policy: str = "best_effort",
                  prefetch: dict | None = None, record: bool = False) -> None:  # fmt: skip
         """`record`: this is a group leader whose other ranks repeat its moves
-        (engine/hicache_moves.py)."""
+        (engine/kvcache/moves.py)."""
         self.kv_pool, self.host = pool, host
         self.moves = TierMoves(pool, host, storage, record=record)
         self.threshold = WRITE_THRESHOLD[write_policy]

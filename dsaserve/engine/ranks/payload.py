@@ -30,7 +30,7 @@ class Op(IntEnum):
     STOP = 4
     FORWARD_LOGITS = 5
     EMBED = 6
-    HICACHE = 7  # the leader's HiCache moves, repeated by its group (engine/hicache_moves.py)
+    HICACHE = 7  # the leader's HiCache moves, repeated by its group (engine/kvcache/moves.py)
     KV_SHARE = 8  # KV the leader received (a PD decode), copied into its group's pools
 
 

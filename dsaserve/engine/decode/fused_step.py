@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dsaserve.engine.decode.fused import FusedDecode
 from dsaserve.layers.forward_batch import ForwardBatch
-from dsaserve.layers.fused import FusedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class DecodeStep:
               cache_dtype: torch.dtype = torch.float32) -> DecodeStep | None:  # fmt: skip
         """The decode step of `model`, or None (layered model for every step) when disabled or
         when the weights are not plain same-dtype linears (e.g. FP8). `native`: run the layers
-        in the C++ extension (layers/cpu_decode.py) where it builds; compiling takes the
+        in the C++ extension (engine/decode/native.py) where it builds; compiling takes the
         Python path (torch.compile traces Python). `cache_dtype`: the pool's storage dtype
         (uint8: FP8); only the native layers read a pool in another dtype than fp32."""
         native = native and not compiled
@@ -54,7 +54,7 @@ class DecodeStep:
 
     @property
     def native(self):
-        """The native layers (layers/cpu_decode.py), or None: the Python fused path."""
+        """The native layers (engine/decode/native.py), or None: the Python fused path."""
         return self.fused.native
 
     def __call__(self, batch: ForwardBatch) -> torch.Tensor:

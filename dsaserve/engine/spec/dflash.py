@@ -3,14 +3,14 @@
 One engine step, block size B (K = B - 1 drafts):
 
 1. **Draft.** Every decoding request proposes K tokens in one drafter forward over its block
-   [last token, mask x K] (`dflash_draft.py`): the drafter attends the request's cached context
+   [last token, mask x K] (`draft.py`): the drafter attends the request's cached context
    entries, so nothing is recomputed or copied per step.
 2. **Verify.** One target forward runs the prefill chunks and, per decoding request, B tokens
    [last token, d_1..d_K] at positions kv_len .. kv_len + K as B decode rows (each over its own
    prefix, running its own DSA indexer), returning with the logits the hidden states of the
    drafter's target layers (`ModelRunner.run_verify`: the native decode layers copy them out
    in the same C++ call; the layered model's `forward(taps)` and the CUDA graphs add them).
-3. **Accept.** Row by row, as `dflash_accept.py` says: greedy output equals decoding without
+3. **Accept.** Row by row, as `verify.py` says: greedy output equals decoding without
    speculation, and sampled output is distributed as the target's.
 4. **Context.** The tapped states of every position the target just computed and kept (the
    accepted verify rows, every prefill row) become the drafter's context entries at those
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.engine.dflash_accept import Acceptor, Append, rejection_drawn
-from dsaserve.engine.dflash_draft import DraftContext, Drafter, Proposals
-from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.engine.decode.runner import ModelRunner
 from dsaserve.engine.request import Req
 from dsaserve.engine.sampler import Sampler
 from dsaserve.engine.scheduler import ScheduledBatch
-from dsaserve.engine.spec_report import SpecReport
-from dsaserve.engine.speculative import VerifyLayout
+from dsaserve.engine.spec.draft import DraftContext, Drafter
+from dsaserve.engine.spec.report import SpecReport
+from dsaserve.engine.spec.verify import Acceptor, Append, Proposals, VerifyLayout, rejection_drawn
 
 
 class DFlashDecoder:

@@ -21,7 +21,7 @@ The layers are called as modules, so FP8 Linears (`Fp8Linear`), bf16 and fp32 we
 KV cache and every kernel backend work unchanged. Under `--tp N` each rank runs it over its
 shard (heads, vocab and every expert's slice), its collectives the layers' own device
 all-reduces and all-gathers (NCCL, which a graph captures; shared memory on CPU); the rank rounds
-that agree on the batch and the bucket stay outside, on the host (engine/rounds.py). Under DP
+that agree on the batch and the bucket stay outside, on the host (engine/ranks/rounds.py). Under DP
 attention every group replays the same bucket (the largest group's rows, the widest context),
 so the MLP's gather over the groups has static shapes. Not with EP (the local experts are picked
 on the host) or a context-parallel or layer-split cache.

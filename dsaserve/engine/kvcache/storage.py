@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from pathlib import Path
 
-from dsaserve.engine.hicache_codec import PageCodec, PageTensors
+from dsaserve.engine.kvcache.codec import PageCodec, PageTensors
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
-from dsaserve.engine.kv_pool import PagePool
+from dsaserve.engine.kvcache.pool import PagePool
 
 _clock = itertools.count()
 

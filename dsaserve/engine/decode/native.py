@@ -1,7 +1,7 @@
 """The native CPU decode layers (kernels/cpu_decode.cpp): built once per machine, for FusedDecode.
 
 `DecodeLayers` runs every decoder layer of an all-decode fp32 batch in one C++ call (the same
-math as dsaserve/layers/fused.py, which stays the reference and the fallback). The extension is
+math as fused.py, which stays the reference and the fallback). The extension is
 compiled with the machine's own compiler at first use (`torch.utils.cpp_extension`, about 30 s
 on two cores; cached under `$TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions), with
 `-O3 -march=native`, since it is built where it runs, under kernels/native_build.py's lock and
@@ -21,7 +21,7 @@ from dsaserve.kernels import native_build
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MoE
 
-SOURCE = Path(__file__).parents[1] / "kernels" / "cpu_decode.cpp"
+SOURCE = Path(native_build.__file__).parent / "cpu_decode.cpp"
 NONE = torch.empty(0)  # stands for an absent tensor (no bias, a dense layer's router)
 
 

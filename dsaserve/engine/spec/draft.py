@@ -19,28 +19,22 @@ reference's `_sampling_probs`; DFlash2: the selector's softmax), and q is kept f
 sampling (`dflash_accept.py`).
 
 On CPU the drafter's layers and its context entries run as C++ calls instead
-(`dflash_native.py`, the same math in fp32; the torch path above stays the reference).
+(`draft_native.py`, the same math in fp32; the torch path above stays the reference).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from dsaserve.engine import dflash_native
 from dsaserve.engine.request import Req
 from dsaserve.engine.sampler import Sampler, filtered_probs
+from dsaserve.engine.spec import draft_native
+from dsaserve.engine.spec.verify import Proposals
 from dsaserve.kernels.registry import Kernels
 from dsaserve.models.dflash import DFlashDraftModel
-
-
-class Proposals(NamedTuple):
-    tokens: list[list[int]]  # per request, its B - 1 drafts
-    probs: torch.Tensor | None  # [R, K, V] (DFlash) or [R, K, k] (DFlash2) q of sampled rows
-    ids: torch.Tensor | None  # [R, K, k] DFlash2: each row's candidates (q's support)
 
 
 class DraftContext:
@@ -51,11 +45,7 @@ class DraftContext:
         self.cache = torch.zeros(config.num_layers, num_slots, config.kv_dim, dtype=dtype,
                                  device=device)  # fmt: skip
         self.drafter = drafter
-        self.native = None  # dflash_native.NativeBlock, set by the Drafter on CPU
-
-    @staticmethod
-    def bytes_per_token(drafter_config, itemsize: int) -> int:
-        return drafter_config.num_layers * drafter_config.kv_dim * itemsize
+        self.native = None  # draft_native.NativeBlock, set by the Drafter on CPU
 
     def write(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Entries of the tokens whose tapped target states are `taps` [N, n * H]."""
@@ -80,11 +70,11 @@ class Drafter:
         self.causal = config.causal
         self.scale = config.head_dim**-0.5
         self.mask_id = config.mask_token_id
-        # on CPU, the block forward and the context entries as C++ calls (dflash_native.py) in
+        # on CPU, the block forward and the context entries as C++ calls (draft_native.py) in
         # place of the torch `draft_attention` path; None (not on CPU, no build, another
         # draft_attention backend, or native=False): the torch path, the reference
         native = native and kernels.names.get("draft_attention") == "torch"
-        self.native = (dflash_native.build(drafter, context.cache, self.windows, self.scale)
+        self.native = (draft_native.build(drafter, context.cache, self.windows, self.scale)
                        if native else None)  # fmt: skip
         context.native = self.native
 

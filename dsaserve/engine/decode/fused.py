@@ -28,12 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.layers import cpu_decode
+from dsaserve.engine.decode import native as native_layers
 from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MLP, MoE
+from dsaserve.layers.rotary import rotation
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -101,20 +102,6 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     )
 
 
-def rotation(cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """[T, d, d] matrices R with x @ R == apply_rotary(x, cos, sin, interleave) per row."""
-    tokens, half = cos.shape
-    rot = cos.new_zeros(tokens, 2 * half, 2 * half)
-    idx = torch.arange(half)
-    first, second = (2 * idx, 2 * idx + 1) if interleave else (idx, idx + half)
-    # out[:, :half] = x1 cos - x2 sin; out[:, half:] = x2 cos + x1 sin
-    rot[:, first, idx] = cos
-    rot[:, second, idx] = -sin
-    rot[:, second, idx + half] = cos
-    rot[:, first, idx + half] = sin
-    return rot
-
-
 def _rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """x [T, ..., d] @ rot [T, d, d], the middle dims flattened into the batched GEMM."""
     shape = x.shape
@@ -145,7 +132,7 @@ def _select(indexer: Indexer, batch: ForwardBatch, q, weights, cache) -> torch.T
 class FusedDecode:
     """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable.
 
-    Two forms: the native layers (layers/cpu_decode.py: embedding to logits in one C++ call,
+    Two forms: the native layers (engine/decode/native.py: embedding to logits in one C++ call,
     fp32 or bf16 weights, an fp32, bf16 or FP8 pool), and the Python layers below (fp32 weights
     and pool only: the reference, and what `--enable-torch-compile` traces)."""
 
@@ -153,7 +140,7 @@ class FusedDecode:
         self.model = model
         self.weights = weights
         self.indexer_interleave = model.config.indexer_rope_interleave
-        self.native = native  # layers/cpu_decode.py's DecodeLayers, or None: the Python layers
+        self.native = native  # engine/decode/native.py's DecodeLayers, or None: the Python layers
         self.python = weights[0].w_in.dtype == torch.float32
         self._rotary = (torch.zeros(0, 1), torch.zeros(0, 1))  # cos, sin [positions, rope / 2]
 
@@ -169,7 +156,9 @@ class FusedDecode:
         on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
         python = weights[0].w_in.dtype == torch.float32 and cache_dtype == torch.float32
         stored = cache_dtype in (torch.float32, torch.bfloat16, torch.uint8)
-        built = cpu_decode.build(model, layers, weights) if native and on_cpu and stored else None
+        built = (
+            native_layers.build(model, layers, weights) if native and on_cpu and stored else None
+        )
         if built is None and not python:
             return None
         return cls(model, weights, built)
@@ -207,7 +196,7 @@ class FusedDecode:
         final norm, as `join_taps`)."""
         cos, sin = self.rotary_tables((int(positions.max()) if last is None else last) + 1)
         hidden = self.model.config.hidden_size
-        tapped = torch.empty(ids.shape[0], len(taps) * hidden) if taps else cpu_decode.NONE
+        tapped = torch.empty(ids.shape[0], len(taps) * hidden) if taps else native_layers.NONE
         logits = self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
                                      cos, sin, list(taps), tapped)  # fmt: skip
         return (logits, tapped) if taps else logits

@@ -1,5 +1,5 @@
-"""Start-up of `--speculative-algorithm DFLASH`: the drafter loaded and checked against the
-target, its block size, its context entries' bytes per pool token, and the step decoder."""
+"""`--speculative-algorithm DFLASH`'s start-up: the drafter loaded and checked against the
+target, its block size, and its step decoder (dflash.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import torch
 
 from dsaserve.args import ArgsError
 from dsaserve.dflash_args import DFlashSettings
-from dsaserve.engine.dflash import DFlashDecoder
-from dsaserve.engine.dflash_draft import DraftContext, Drafter
-from dsaserve.engine.model_runner import ModelRunner
+from dsaserve.engine.decode.runner import ModelRunner
+from dsaserve.engine.spec.dflash import DFlashDecoder
+from dsaserve.engine.spec.draft import DraftContext, Drafter
 from dsaserve.kernels.registry import Kernels
 from dsaserve.model_config import ConfigError, ModelConfig
 from dsaserve.models.checkpoint_files import CheckpointError
 from dsaserve.models.dflash import DFlashDraftModel
-from dsaserve.models.dflash_config import DFlashConfig
 from dsaserve.models.dflash_loader import load_drafter
 
 logger = logging.getLogger(__name__)
@@ -40,11 +39,6 @@ def load_dflash(settings: DFlashSettings, target: ModelConfig, dtype: torch.dtyp
 def block_size(settings: DFlashSettings, drafter: DFlashDraftModel) -> int:
     """The verify window: --speculative-dflash-block-size, else the checkpoint's."""
     return settings.block_size or drafter.config.block_size
-
-
-def context_bytes_per_token(settings: DFlashSettings, dtype: torch.dtype) -> int:
-    """The drafter's context bytes per pool token (read from its config alone)."""
-    return DraftContext.bytes_per_token(DFlashConfig.from_dir(settings.draft_path), dtype.itemsize)
 
 
 def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kernels,

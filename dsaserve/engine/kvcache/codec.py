@@ -27,7 +27,7 @@ import torch
 
 from dsaserve.cluster.secret import derive
 
-logger = logging.getLogger("dsaserve.engine.hicache_storage")
+logger = logging.getLogger("dsaserve.engine.kvcache.storage")
 MAGIC = b"DSAKV2\n"
 FORMAT_VERSION = 2
 KEY_FILE = "hicache.key"

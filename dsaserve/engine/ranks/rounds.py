@@ -7,7 +7,7 @@ is chosen (the first pending one, scanning from a group that rotates every round
 starves); every group that wants that kind runs it, its leader broadcasting the inputs
 (`payload`) to its attention-TP group; all other groups join with no tokens, so the MoE/MLP and
 LM-head collectives, which span every rank, always match. A forward runs through every rank's
-CUDA graphs (engine/cuda_graph.py) when every running group's fits one: all ranks replay the
+CUDA graphs (engine/decode/cuda_graph.py) when every running group's fits one: all ranks replay the
 bucket of the largest group's rows and the widest context, the groups without rows over padding,
 so the collectives captured in the graphs match too. A round where nobody has work is a
 heartbeat. STOP ends every rank's loop.
@@ -19,14 +19,13 @@ the engine, the speculative decoder and the sampler run unchanged on rank 0 of e
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.cuda_graph import Bucket, CudaGraphRunner
-from dsaserve.engine.hicache_moves import TierMoves
-from dsaserve.engine.round_payload import (
+from dsaserve.engine.kvcache.moves import TierMoves
+from dsaserve.engine.ranks.payload import (
     Op,
     OpInputs,
     empty,
@@ -40,6 +39,19 @@ from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 HEADER = 6  # op, rows, int and float payload sizes, logits rows, CUDA-graph context bucket
+
+
+class Graphs(Protocol):
+    """This rank's CUDA-graph decode (engine/decode/cuda_graph.py's `CudaGraphRunner`, which
+    the rank's builder hands in): a bucket is a captured (rows, context) shape."""
+
+    taps: tuple[int, ...]
+
+    def common_bucket(self, rows: int, context: int) -> Any: ...
+
+    def bucket(self, batch: ForwardBatch) -> Any: ...
+
+    def __call__(self, batch: ForwardBatch, bucket: Any = None) -> torch.Tensor: ...
 
 
 class Stopped(Exception):
@@ -60,7 +72,7 @@ class RankRunner:
         # --kv-cache-dtype (bf16 under fp32, FP8) may differ from
         self.dtype = model.model.embed_tokens.weight.dtype
         self.tiers: TierMoves | None = None  # this rank's HiCache tiers (HICACHE ops)
-        self.graphs: CudaGraphRunner | None = None  # this rank's decode graphs (FORWARD ops)
+        self.graphs: Graphs | None = None  # this rank's decode graphs (FORWARD ops)
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -161,7 +173,7 @@ class RankRunner:
         else:
             torch.distributed.broadcast(x, p.sizes.leader(p.dp_rank), group=p.attn_cpu_group)
 
-    def _execute(self, inputs: OpInputs, logits_rows: list[int], bucket: Bucket | None) -> Any:
+    def _execute(self, inputs: OpInputs, logits_rows: list[int], bucket: Any) -> Any:
         model = self.model
         if inputs.op == Op.LOGITS:
             return model.logits(inputs.hidden)
@@ -184,7 +196,7 @@ class RankRunner:
         with installed(inputs.batch):
             return model.forward_mtp(inputs.hidden, inputs.reuse)
 
-    def _forward(self, batch: ForwardBatch, bucket: Bucket | None,
+    def _forward(self, batch: ForwardBatch, bucket: Any,
                  taps: tuple[int, ...] = ()) -> torch.Tensor:  # fmt: skip
         """The model over `batch`: this rank's CUDA graph of `bucket`, which every rank replays
         in this round (a group without rows over padding only: every group's rows are padded to

@@ -1,21 +1,23 @@
-"""Verification of DFlash blocks: which drafts are accepted, row by row, and what is emitted.
+"""Verification, shared by EAGLE/MTP and DFlash: the verify rows' layout and the one accept
+loop (which drafts are accepted, row by row, and what is emitted).
 
 Row r of a request's verify run holds the target's logits after its last token and drafts
 d_1..d_r. Rows are taken in order, each with the request's sampling state after the tokens
 accepted before it (penalties, min_tokens, the grammar), so:
 
-- **greedy, and seeded sampling**: the drafts are greedy (q is one-hot), and the row's token is
-  the one the engine's sampler draws without speculation; the draft is accepted iff it equals
-  that token. This is speculative sampling with a one-hot q (accept d with probability
-  p(d) / 1, else draw from norm(max(0, p - q)) = p without d), so the output distribution is the
-  target's; greedy output, and a seeded request's tokens, are those of decoding without
-  speculation.
-- **unseeded sampling**: the drafts were drawn from the drafter's q, and the reference's
-  `_rejection_sample` decides: accept d with probability min(1, p(d) / q(d)) (u * q(d) < p(d)),
-  else emit a draw from norm(max(0, p - q)) (p itself where that is empty), where p is the
-  distribution the sampler would draw from (grammar mask, penalties, temperature, top-k / top-p /
-  min-p). With every draft accepted, the last row's token is drawn from p. The output is
-  distributed as the target's (Leviathan et al. 2023), with a higher acceptance than a one-hot q.
+- **greedy drafts (EAGLE's MTP chain, always), and seeded sampling**: q is one-hot, and the
+  row's token is the one the engine's sampler draws without speculation; the draft is accepted
+  iff it equals that token. This is speculative sampling with a one-hot q (accept d with
+  probability p(d) / 1, else draw from norm(max(0, p - q)) = p without d), so the output
+  distribution is the target's; greedy output, and a seeded request's tokens, are those of
+  decoding without speculation.
+- **unseeded sampling with DFlash**: the drafts were drawn from the drafter's q, and the
+  reference's `_rejection_sample` decides: accept d with probability min(1, p(d) / q(d))
+  (u * q(d) < p(d)), else emit a draw from norm(max(0, p - q)) (p itself where that is empty),
+  where p is the distribution the sampler would draw from (grammar mask, penalties,
+  temperature, top-k / top-p / min-p). With every draft accepted, the last row's token is
+  drawn from p. The output is distributed as the target's (Leviathan et al. 2023), with a
+  higher acceptance than a one-hot q.
 
 Tokens go through the engine's `append` one at a time, so a stop inside an accepted run ends
 the request there. Logprobs, where asked for, are the target's for the emitted token.
@@ -24,21 +26,76 @@ the request there. Logprobs, where asked for, are the target's for the emitted t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
-from dsaserve.engine.dflash_draft import Proposals
 from dsaserve.engine.request import Req
 from dsaserve.engine.sampler import Sampler, SamplingState, token_logprobs
-from dsaserve.engine.spec_report import SpecCounters
-from dsaserve.engine.speculative import is_plain_greedy
+from dsaserve.engine.scheduler import ScheduledBatch
+from dsaserve.engine.spec.report import SpecCounters
 
 Append = Callable[[Req, int, object], None]
+
+
+class Proposals(NamedTuple):
+    """What a drafter proposes for one step: per verifying request its drafts, and where they
+    were drawn from a distribution q (DFlash's unseeded sampling) that q."""
+
+    tokens: list[list[int]]  # per request, its drafts
+    probs: torch.Tensor | None = None  # [R, K, V] (DFlash) or [R, K, k] (DFlash2); None: greedy
+    ids: torch.Tensor | None = None  # [R, K, k] DFlash2: each row's candidates (q's support)
+
+
+def is_plain_greedy(state: SamplingState) -> bool:
+    """Greedy with nothing that depends on the output so far (the sampler's argmax path).
+
+    A grammar does depend on it: such rows are sampled one verify row at a time, each masked by
+    the grammar after the tokens accepted before it, so a draft token the grammar forbids is
+    never accepted (the target's masked token differs from it) and greedy constrained output is
+    token for token the non-speculative one.
+    """
+    params = state.params
+    return (
+        state.grammar is None
+        and params.greedy
+        and not state.has_penalties
+        and params.logprobs is None
+        and len(state.output_ids) >= params.min_tokens
+    )
 
 
 def rejection_drawn(state: SamplingState) -> bool:
     """Whether a request's drafts are drawn from q and verified by rejection sampling."""
     return not state.params.greedy and state.params.seed is None
+
+
+class VerifyLayout:
+    """Row bookkeeping for one step: which entries verify (over `num_steps` drafts + the last
+    token), and where each entry's rows are (EAGLE and DFlash alike)."""
+
+    def __init__(self, scheduled: ScheduledBatch, verify: list[bool], num_steps: int) -> None:
+        self.verify = verify
+        self.ends = [s + num_steps + 1 if v else e
+                     for s, e, v in zip(scheduled.starts, scheduled.ends, verify)]  # fmt: skip
+        self.offsets, row = [], 0
+        for s, e in zip(scheduled.starts, self.ends):
+            self.offsets.append(row)
+            row += e - s
+
+    def logits_rows(self, scheduled: ScheduledBatch, k: int) -> tuple[dict[int, int], list[int]]:
+        """({entry: index of its first logits row}, the hidden rows to take logits of): every
+        row of a verify run (k + 1), the last row of a chunk that ends its prompt."""
+        first_row: dict[int, int] = {}
+        rows: list[int] = []
+        for i, req in enumerate(scheduled.reqs):
+            if self.verify[i]:
+                first_row[i] = len(rows)
+                rows += range(self.offsets[i], self.offsets[i] + k + 1)
+            elif scheduled.ends[i] == len(req.fill_ids):
+                first_row[i] = len(rows)
+                rows.append(self.offsets[i] + scheduled.ends[i] - scheduled.starts[i] - 1)
+        return first_row, rows
 
 
 class Acceptor:
@@ -81,7 +138,9 @@ class Acceptor:
         def draft(i: int) -> int | None:
             return proposals.tokens[drafts[i]][r] if i in drafts and r < k else None
 
-        rejecting = [i for i in active if draft(i) is not None
+        # else greedy drafts (EAGLE's always): q is one-hot, and drawing is the whole test
+        drawn_from_q = proposals is not None and proposals.probs is not None
+        rejecting = [i for i in active if drawn_from_q and draft(i) is not None
                      and rejection_drawn(reqs[i].sampling)]  # fmt: skip
         drawing = [i for i in active if i not in rejecting]
         out, accepted = {}, {}

@@ -4,15 +4,15 @@
 device -> host, host -> device, storage -> device (pages a prefetch read), host -> storage. In a
 single process that is all. With `--tp N` every rank of an attention group has a pool of the same
 layout holding the same bytes (the MLA entry and the indexer keys are replicated, docs/parallel.md)
-and keeps its own host and storage tiers; the group leader's tree (engine/hicache.py) decides
+and keeps its own host and storage tiers; the group leader's tree (hicache.py) decides
 every move, does it on its own tiers and records it in a journal of int64s. Before the next
 model op (or heartbeat, or STOP) the leader sends the journal to its group in one HICACHE round
-(engine/rounds.py), and each other rank replays it on its own tiers, in order: so a device page
+(ranks/rounds.py), and each other rank replays it on its own tiers, in order: so a device page
 is copied out before any forward writes it again, and loaded before any forward reads it. No KV
 byte travels between ranks.
 
 Storage: each rank has its own files (its identity includes its rank and the layout,
-engine/hicache_setup.py). A page's key on a follower is the SHA-256 of the follower's identity
+engine/kvcache/build.py). A page's key on a follower is the SHA-256 of the follower's identity
 and the leader's key for it, so the journal carries the leader's keys (32 bytes a page) and two
 ranks, layouts or checkpoints never read each other's pages. A follower that cannot read a page
 its leader read (its files damaged) raises: its rank ends and the server fails fast.
@@ -25,9 +25,9 @@ from enum import IntEnum
 
 import torch
 
-from dsaserve.engine.hicache_codec import PageTensors
-from dsaserve.engine.hicache_storage import StorageTier
-from dsaserve.engine.kv_pool import KVPool, PagePool, page_slots
+from dsaserve.engine.kvcache.codec import PageTensors
+from dsaserve.engine.kvcache.pool import KVPool, PagePool, page_slots
+from dsaserve.engine.kvcache.storage import StorageTier
 
 KEY_INTS = 4  # a SHA-256 key as int64s
 

@@ -27,10 +27,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.decode.static import StaticDecode
+from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.kernels.registry import Kernels
 from dsaserve.layers.forward_batch import ForwardBatch, installed
-from dsaserve.layers.static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 path on other devices; on CPU a drafter of fp32 or bf16 weights runs its layers here instead, the
 same math in fp32 (a bf16 drafter's weights are read as they are, its activations kept in fp32),
 since a small drafter's cost in torch is its ~1500 ops' overhead, not their arithmetic. Built
-with the machine's compiler at first use, like the native decode layers (layers/cpu_decode.py);
+with the machine's compiler at first use, like the native decode layers (engine/decode/native.py);
 where it cannot be built the engine says so once and keeps the torch path.
 """
 
@@ -18,7 +18,7 @@ import torch
 from dsaserve.kernels import native_build
 from dsaserve.models.dflash import DFlashDraftModel
 
-SOURCE = Path(__file__).parents[1] / "kernels" / "dflash_block.cpp"
+SOURCE = Path(native_build.__file__).parent / "dflash_block.cpp"
 NONE = torch.empty(0)
 
 

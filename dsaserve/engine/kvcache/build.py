@@ -1,7 +1,8 @@
-"""The hierarchical cache that `--enable-hierarchical-cache` and the `--hicache-*` flags ask
-for: the host pool's size, the storage tier's backend and the identity its files carry, the
-prefetch settings (engine/hicache.py is the tree itself). Every rank of a group builds its own
-tiers here: the leader under its tree (`build_hicache`), the others bare (`build_rank_tiers`)."""
+"""The prefix cache the flags ask for (`build_cache`): the radix cache, or with
+`--enable-hierarchical-cache` and the `--hicache-*` flags the hierarchical one: the host pool's
+size, the storage tier's backend and the identity its files carry, the prefetch settings
+(hicache.py is the tree itself). Every rank of a group builds its own tiers here: the leader
+under its tree (`build_hicache`), the others bare (`build_rank_tiers`)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,29 @@ import torch
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.secret import cluster_secret
 from dsaserve.distributed.parallel_state import ParallelState
-from dsaserve.engine.hicache import PREFETCH_DEFAULTS, HiRadixCache
-from dsaserve.engine.hicache_codec import PageCodec, storage_key
-from dsaserve.engine.hicache_moves import HostKVPool, TierMoves
-from dsaserve.engine.hicache_storage import (
+from dsaserve.engine.kvcache.codec import PageCodec, storage_key
+from dsaserve.engine.kvcache.hicache import PREFETCH_DEFAULTS, HiRadixCache
+from dsaserve.engine.kvcache.moves import HostKVPool, TierMoves
+from dsaserve.engine.kvcache.pool import KVPool
+from dsaserve.engine.kvcache.prefix_cache import PrefixCache
+from dsaserve.engine.kvcache.radix import RadixCache
+from dsaserve.engine.kvcache.storage import (
     StorageTier,
     make_backend,
     model_identity,
     private_dir,
     storage_root,
 )
-from dsaserve.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
+
+
+def build_cache(args: ServerArgs, pool: KVPool, dtype: torch.dtype, with_mtp: bool,
+                parallel: ParallelState) -> PrefixCache:  # fmt: skip
+    """The leader's prefix cache: radix (off with --disable-radix-cache), or hierarchical."""
+    if not args.enable_hierarchical_cache:
+        return RadixCache(pool.pages, pool.page_size, enabled=not args.disable_radix_cache)
+    return build_hicache(args, pool, dtype, with_mtp, parallel)
 
 
 def build_hicache(args: ServerArgs, pool: KVPool, dtype: torch.dtype, with_mtp: bool,
@@ -68,7 +79,7 @@ def build_storage(args: ServerArgs, pool: KVPool, dtype: torch.dtype, with_mtp: 
                   parallel: ParallelState) -> StorageTier | None:  # fmt: skip
     """This rank's storage tier. Its identity names the checkpoint, the KV layout and, with
     several ranks, the layout of the ranks and this rank's place: every rank reads only the
-    files it wrote (engine/hicache_moves.py)."""
+    files it wrote (engine/kvcache/moves.py)."""
     if not args.hicache_storage_backend:
         return None
     extra = json.loads(args.hicache_storage_backend_extra_config or "{}")

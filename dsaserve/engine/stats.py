@@ -39,10 +39,6 @@ def report(engine: Any) -> dict:
 
 
 def decode_path(engine: Any) -> str:
-    """Which forward an all-decode step takes: native, python (fused), compiled or layered."""
-    step = engine.runner.decode_step
-    if step is None:
-        return "layered"
-    if step.native is not None:
-        return "native"
-    return "compiled" if step.compiled else "python"
+    """Which forward an all-decode step takes (engine/decode/paths.py): native, python (fused),
+    compiled or layered; a CUDA graph replays it where a bucket fits."""
+    return next(path.name for path in engine.runner.paths if path.name != "cuda_graph")

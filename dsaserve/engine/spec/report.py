@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-logger = logging.getLogger("dsaserve.engine.speculative")
+logger = logging.getLogger("dsaserve.engine.spec.eagle")
 
 LOG_INTERVAL = 40  # verify steps between decode log lines
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from dsaserve.kernels.fp8_kv_sizes import index_key_bytes, mla_entry_bytes
+from dsaserve.kernels.kv_quant import kv_dtype_name
 from dsaserve.model_config import ModelConfig
 
 
@@ -89,6 +90,11 @@ class KVPool:
             entry = mla_entry_bytes(config.kv_lora_rank, config.qk_rope_head_dim)
             return layers * entry + num_index_layers * index_key_bytes(config.index_head_dim)
         return itemsize * (layers * config.kv_entry_dim + num_index_layers * config.index_head_dim)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The stored form's name (--kv-cache-dtype as resolved)."""
+        return kv_dtype_name(self.index_cache.dtype)
 
     def slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """Slots of token positions [start, end) for a request owning `pages`."""

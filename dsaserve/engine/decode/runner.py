@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from dsaserve.engine.cuda_graph import CudaGraphRunner
-from dsaserve.engine.decode_rows import DecodeRows, all_decodes
-from dsaserve.engine.decode_step import DecodeStep
-from dsaserve.engine.kv_pool import KVPool
+from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
+from dsaserve.engine.decode.fused_step import DecodeStep
+from dsaserve.engine.decode.paths import DecodePath, Step, build_paths
+from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.kernels.registry import DEFAULT_KERNELS, Kernels
 from dsaserve.layers.forward_batch import ExtendSeq, ForwardBatch, forward_context
@@ -16,6 +16,9 @@ from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
 
 class ModelRunner:
+    """Runs steps on this engine's forward paths (paths.py: the first that accepts a step runs
+    it) and the speculative verify and target runs."""
+
     def __init__(
         self,
         model: DsaMoeForCausalLM,
@@ -29,39 +32,21 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = device
-        self.decode_step = decode_step  # the all-decode forward (dsaserve/engine/decode_step.py)
-        self.graphs = graphs  # CUDA-graph decode (dsaserve/engine/cuda_graph.py), CUDA only
-        self.decode_rows = DecodeRows()  # the native step's batch, kept across steps
+        self.decode_step = decode_step  # the all-decode forward (fused_step.py)
+        self.graphs = graphs  # CUDA-graph decode (cuda_graph.py), CUDA only
+        self.paths = build_paths(model, pool, decode_step, graphs)
 
     def forward(
         self, scheduled: ScheduledBatch, all_rows: bool = False
     ) -> tuple[list[int], torch.Tensor]:
         """Run one step; return the batch indices that produced logits and those logits [R, V]
         (with `all_rows`, the logits of every computed token instead)."""
-        step = self.decode_step
-        if step is not None and step.native is not None and not all_rows and all_decodes(scheduled):
-            return list(range(len(scheduled.reqs))), self._native_decode(step, scheduled)
-        batch, sampled = self.build(scheduled)
-        if all_rows:
-            batch.logits_rows = torch.arange(batch.input_ids.shape[0], device=self.device)
-        graphs = self.graphs
-        if graphs is not None and graphs.accepts(batch):
-            hidden = graphs(batch)  # installs its own static batch
-            return sampled, self.model.logits(hidden[batch.logits_rows])
-        with forward_context(batch):
-            step = self.decode_step
-            if step is not None and step.accepts(batch):
-                logits = step(batch)
-                rows = batch.logits_rows
-                return sampled, logits if rows.numel() == logits.shape[0] else logits[rows]
-            return sampled, self.model.forward_logits()  # one round across ranks
+        step = Step(scheduled, all_rows, self.build)
+        return self.path(step).logits(step)
 
-    def _native_decode(self, step: DecodeStep, scheduled: ScheduledBatch) -> torch.Tensor:
-        """An all-decode step on the native layers, from the kept batch (engine/decode_rows.py):
-        every row's logits [T, V]."""
-        ids, positions, slots = self.decode_rows.inputs(scheduled)
-        return step.fused.decode_logits(ids, positions, slots, self.pool.kv_cache,
-                                        self.pool.index_cache, max(scheduled.starts))  # fmt: skip
+    def path(self, step: Step) -> DecodePath:
+        """The first path that accepts `step`."""
+        return next(path for path in self.paths if path.accepts(step))
 
     def run_target(self, batch: ForwardBatch, taps: tuple[int, ...] = ()) -> torch.Tensor:
         """Hidden states of every row of `batch` through the target model (a speculative verify
