@@ -27,7 +27,6 @@ from typing import Any
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.addresses import advertise_host, is_wildcard, split_host_port
 from dsaserve.disaggregation import aux_record, bootstrap, kv_regions
-from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
     Abort,
     FrameError,
@@ -37,6 +36,7 @@ from dsaserve.disaggregation.protocol import (
     TransferInfo,
     parse_to_prefill,
 )
+from dsaserve.disaggregation.role_engine import Reject, RoleEngine, aborted_output, expired
 from dsaserve.engine.io import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from dsaserve.args import ServerArgs
 
 if TYPE_CHECKING:  # the API process pickles `serving_engine` for the spawn: it stays light
-    from dsaserve.disaggregation.common import Reject
+    from dsaserve.disaggregation.role_engine import Reject
     from dsaserve.distributed.parallel_state import ParallelState
 
 
