@@ -16,7 +16,7 @@ from dsaserve.deploy.hardware import HARDWARE, PlanError
 from dsaserve.deploy.layout import PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import nearest, plan
-from dsaserve.deploy.report import render_plan, render_refusal
+from dsaserve.deploy.render import render_plan, render_refusal
 
 
 def build_parser() -> argparse.ArgumentParser:

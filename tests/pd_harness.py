@@ -65,16 +65,19 @@ def bootstrap_port(prefill: Server) -> int:
     return reported["pd_bootstrap_port"]
 
 
-def launch(model: Path, *flags: str, env: dict | None = None,
-           scripts: Path | None = None) -> Server:  # fmt: skip
+def launch(model: Path, *flags: str, env: dict | None = None, scripts: Path | None = None,
+           faults: Path | None = None) -> Server:  # fmt: skip
     """Start a `dsaserve serve` (not waiting); `ready(server)` waits; `stop_all` stops. With
-    `scripts`: tests/scripted_engine.py's scripts in front of the real engine."""
+    `scripts`: tests/scripted_engine.py's scripts in front of the real engine; with `faults`:
+    tests/pd_faults.py's write hook, its mode read from that file."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **PD_ENV,
                 **(env or {})}  # fmt: skip
     serve = [sys.executable, "-m", "dsaserve.cli", "serve"]
     if scripts is not None:
         serve = [sys.executable, str(Path(__file__).with_name("scripted_serve.py")), str(scripts),
                  "real"]  # fmt: skip
+    if faults is not None:
+        serve = [sys.executable, str(Path(__file__).with_name("pd_fault_server.py")), str(faults)]
     command = [*serve, "--model-path", str(model), "--port", "0", "--max-total-tokens", "4096",
                "--page-size", "16", *flags]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ import pytest
 from server_harness import wait_for
 
 from dsaserve.disaggregation import bootstrap
-from dsaserve.disaggregation.registry import RankTable
+from dsaserve.disaggregation.rank_table import RankTable
 
 SECRET = "s3cret-for-the-cluster"
 RANK = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0,

@@ -9,12 +9,12 @@ import pytest
 
 from dsaserve.grammar.tool_schema import allowed_types, convert_value
 from dsaserve.server.parsers.chat_output import ChatOutputParser, collect
-from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
-from dsaserve.server.parsers.registry import (
+from dsaserve.server.parsers.choice import (
     ParserConfigError,
     resolve_reasoning_parser,
     resolve_tool_parser,
 )
+from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
 from dsaserve.server.parsers.tool_glm47 import Glm45ToolParser, Glm47ToolParser
 
 SCHEMA = {

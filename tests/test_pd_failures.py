@@ -54,11 +54,10 @@ class Cluster:
         self.servers: dict[str, Server] = {}
 
     def start(self, *roles: str) -> None:
-        env = {"DSASERVE_PD_FAULT_FILE": str(self.fault_file)}
         for role in roles:
             flags = pd_flags(role, *HEARTBEAT, *LAYOUT[role], "--port", str(self.ports[role]),
                              bootstrap_port=self.bootstrap)  # fmt: skip
-            self.servers[role] = launch(self.checkpoint, *flags, env=env)
+            self.servers[role] = launch(self.checkpoint, *flags, faults=self.fault_file)
         for role in roles:
             self.servers[role].url = _wait_ready(self.servers[role])
             self.ports[role] = int(self.servers[role].url.rsplit(":", 1)[1])

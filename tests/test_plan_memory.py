@@ -17,7 +17,7 @@ from dsaserve.deploy.memory import (
 )
 from dsaserve.deploy.models import BUILTIN_MODELS
 from dsaserve.deploy.planner import plan
-from dsaserve.deploy.report import render_plan
+from dsaserve.deploy.render import render_plan
 
 GLM = BUILTIN_MODELS["GLM-5.3"]
 DSV32 = BUILTIN_MODELS["DeepSeek-V3.2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dsaserve.deploy.fit import memory_report
 from dsaserve.deploy.layout import Layout
-from dsaserve.deploy.registry import Refuse, RuleList
+from dsaserve.deploy.rule_list import Refuse, RuleList
 
 GIB = 1 << 30
 MEMORY_RULES = ("weights-fit", "kv-fits")  # refusals that more nodes can cure

@@ -13,7 +13,7 @@ from dsaserve.deploy.fit import MemoryReport, memory_report
 from dsaserve.deploy.hardware import HARDWARE, get_hardware
 from dsaserve.deploy.layout import RECIPES, AppliedRule, Layout, PlanRequest, Refusal
 from dsaserve.deploy.models import BUILTIN_MODELS, load_model
-from dsaserve.deploy.registry import apply_rules
+from dsaserve.deploy.rule_list import apply_rules
 from dsaserve.deploy.rules import GUIDE_RULES
 
 AUTO_NODES = (1, 2, 4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dsaserve.deploy.commands import BOOTSTRAP_PORT
 from dsaserve.deploy.layout import Layout, Speculative
-from dsaserve.deploy.registry import Refuse, RuleList
+from dsaserve.deploy.rule_list import Refuse, RuleList
 
 LOW_LATENCY_MTP = Speculative("EAGLE", 5, 1, 6)
 BALANCED_MTP = Speculative("EAGLE", 1, 1, 2)

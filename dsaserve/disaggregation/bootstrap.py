@@ -2,7 +2,7 @@
 
 - `PUT /route`: a prefill rank registers `{attn_tp_size, attn_tp_rank, attn_cp_size, ...,
   rank_ip, rank_port, page_size, kv_cache_dtype}`; the answer carries its `registration_id`
-  (registry.py: a registered rank is never replaced by another process).
+  (rank_table.py: a registered rank is never replaced by another process).
 - `GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1`: the
   server's layout (503 until every rank registered); with real ranks: that rank's
   `{rank_ip, rank_port}` (404 when unknown).
@@ -28,7 +28,7 @@ from urllib.parse import parse_qs
 import uvicorn
 
 from dsaserve.cluster.secret import bearer, bearer_ok
-from dsaserve.disaggregation.registry import RANK_KEYS, RankTable
+from dsaserve.disaggregation.rank_table import RANK_KEYS, RankTable
 from dsaserve.web.errors import APIError
 from dsaserve.web.http_limits import uvicorn_limits
 from dsaserve.web.json_limits import decode_json

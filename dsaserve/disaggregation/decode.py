@@ -20,7 +20,6 @@ from typing import Any
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.addresses import split_host_port
 from dsaserve.disaggregation import aux_record, kv_regions
-from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.directory import PrefillDirectory
 from dsaserve.disaggregation.protocol import (
     MAX_ROOM,
@@ -32,6 +31,7 @@ from dsaserve.disaggregation.protocol import (
     TransferInfo,
     integer,
 )
+from dsaserve.disaggregation.role_engine import Reject, RoleEngine, aborted_output, expired
 from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 

@@ -27,7 +27,6 @@ from typing import Any
 from dsaserve.args import ServerArgs
 from dsaserve.cluster.addresses import advertise_host, is_wildcard, split_host_port
 from dsaserve.disaggregation import aux_record, bootstrap, kv_regions
-from dsaserve.disaggregation.common import Reject, RoleEngine, aborted_output, expired
 from dsaserve.disaggregation.protocol import (
     Abort,
     FrameError,
@@ -37,7 +36,7 @@ from dsaserve.disaggregation.protocol import (
     TransferInfo,
     parse_to_prefill,
 )
-from dsaserve.disaggregation.transfer.base import HOST, fault_mode, pause_between_writes
+from dsaserve.disaggregation.role_engine import Reject, RoleEngine, aborted_output, expired
 from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
@@ -308,13 +307,10 @@ class PrefillEngine(RoleEngine):
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
         kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
-        pause = fault_mode() == "pause"  # a fault test's hook, off unless its variable is set
-        if kinds != HOST or pause:  # KV and aux in separate writes (one memory kind per write)
-            self.transfer.write(peer.handle, segments, b"", kinds)
-            if pause:
-                pause_between_writes(room)
-            segments = []
-        self.transfer.write(peer.handle, segments + tail, str(room).encode())
+        # KV, then the aux record in a write of its own (one memory kind per write) that carries
+        # the room's tag: the decode counts the room written when that tag arrives
+        self.transfer.write(peer.handle, segments, b"", kinds)
+        self.transfer.write(peer.handle, tail, str(room).encode())
         seconds = time.monotonic() - started
         self.counters["pd_bytes"] += size
         self.counters["pd_transfer_seconds"] += seconds

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from dsaserve.args import ArgsError, ServerArgs
+from dsaserve.args import ServerArgs
 
 if TYPE_CHECKING:  # the API process pickles `serving_engine` for the spawn: it stays light
-    from dsaserve.disaggregation.common import Reject
+    from dsaserve.disaggregation.role_engine import Reject
     from dsaserve.distributed.parallel_state import ParallelState
 
 
@@ -46,8 +46,6 @@ def _prefill_on_a_free_port(engine: Any, args: ServerArgs, reject: Reject,
 
 def wrap(engine: Any, args: ServerArgs, reject: Reject, group: int = 0, groups: int = 1) -> Any:
     """`group` of `groups`: the attention group this engine is (DP attention), for a prefill."""
-    if not hasattr(engine, "pool"):
-        raise ArgsError("--disaggregation-mode needs the real engine (not a scripted one)")
     if args.disaggregation_mode == "prefill":
         from dsaserve.disaggregation.prefill import PrefillEngine
 

@@ -13,9 +13,9 @@ from fastapi import Request
 from dsaserve.engine.messages import RequestOutput
 from dsaserve.server.engine_client import RequestStream
 from dsaserve.server.parsers.chat_output import ChatOutputParser
+from dsaserve.server.parsers.choice import REASONING_PARSERS, TOOL_PARSERS
 from dsaserve.server.parsers.events import Event, ToolCallArgs, ToolCallStart
 from dsaserve.server.parsers.reasoning import Glm45ReasoningParser
-from dsaserve.server.parsers.registry import REASONING_PARSERS, TOOL_PARSERS
 from dsaserve.server.tokenizer_manager import PreparedChat
 from dsaserve.web.errors import APIError
 

@@ -32,7 +32,7 @@ from dsaserve.server.dp_controller import DPEngineClient
 from dsaserve.server.engine_client import EngineClient
 from dsaserve.server.engine_processes import default_factory, start_engines, stop_engines
 from dsaserve.server.metrics import Metrics
-from dsaserve.server.parsers.registry import (
+from dsaserve.server.parsers.choice import (
     ParserConfigError,
     resolve_reasoning_parser,
     resolve_tool_parser,

@@ -20,8 +20,8 @@ from typing import Any
 from dsaserve.grammar import tool_calls
 from dsaserve.grammar.backend import GrammarChecker, GrammarError, make_checker
 from dsaserve.sampling_params import GRAMMAR_FIELDS
+from dsaserve.server.parsers.choice import REASONING_PARSERS
 from dsaserve.server.parsers.reasoning import THINK_END
-from dsaserve.server.parsers.registry import REASONING_PARSERS
 from dsaserve.web.errors import bad_request
 
 JSON_OBJECT = '{"type": "object"}'

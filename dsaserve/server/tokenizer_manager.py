@@ -20,7 +20,7 @@ from typing import Any
 from dsaserve.args import ServerArgs
 from dsaserve.engine.messages import GenerateRequest
 from dsaserve.sampling_params import SamplingParams
-from dsaserve.server.parsers.registry import (
+from dsaserve.server.parsers.choice import (
     DEEPSEEK_V32,
     resolve_reasoning_parser,
     resolve_tool_parser,

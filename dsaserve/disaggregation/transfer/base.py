@@ -10,9 +10,8 @@ without them return the tags of nothing and set `notifies = False`.
 from __future__ import annotations
 
 import importlib
-import os
-import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 Segment = tuple[int, int, int]  # (local address, remote address, bytes)
 Kinds = tuple[str, str]  # memory kinds of the local and remote side: "DRAM" (host) or "VRAM"
@@ -22,35 +21,11 @@ BACKENDS = {
     "nixl": "dsaserve.disaggregation.transfer.nixl:NixlEngine",
     "mooncake": "dsaserve.disaggregation.transfer.mooncake:MooncakeEngine",
 }
-# Test hooks (fault injection), read once at start: off in production unless one of the variables
-# is set. DSASERVE_PD_FAULT names a fixed mode; DSASERVE_PD_FAULT_FILE a file a test rewrites to
-# switch modes on a running server. "transfer": every write fails. "pause": a room's KV and aux
-# go in separate writes, and between them the writer writes "PID ROOM" to FILE.paused and waits
-# until the mode changes (a test kills it there, or releases it).
-FAULT_ENV = "DSASERVE_PD_FAULT"
-FAULT_FILE_ENV = "DSASERVE_PD_FAULT_FILE"
-_FAULT = os.environ.get(FAULT_ENV, "")
-_FAULT_FILE = os.environ.get(FAULT_FILE_ENV, "")
-PAUSE_POLL_S = 0.05
-
-
-def fault_mode() -> str:
-    if not _FAULT_FILE:
-        return _FAULT
-    try:
-        with open(_FAULT_FILE) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def pause_between_writes(room: int) -> None:
-    """Mode "pause": say that this process wrote the room's KV but not its aux, then wait until
-    the mode changes (the marker lets a test act at exactly this point instead of sleeping)."""
-    with open(_FAULT_FILE + ".paused", "w") as f:
-        f.write(f"{os.getpid()} {room}")
-    while fault_mode() == "pause":
-        time.sleep(PAUSE_POLL_S)
+# The fault-injection seam: None in production. A test installs a callable in the server's
+# processes (tests/pd_faults.py) that runs before every write, given the write's tag, and may
+# raise `TransferError` or wait. The prefill writes a room's KV (tag b"") before its aux record
+# (tag: the room id), so a hook that waits on a room's tag stands between the two.
+WRITE_HOOK: Callable[[bytes], None] | None = None
 
 
 class TransferError(RuntimeError):
@@ -77,8 +52,8 @@ class TransferEngine(ABC):
     def _write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds) -> None: ...
 
     def write(self, peer: str, segments: list[Segment], tag: bytes, kinds: Kinds = HOST) -> None:
-        if fault_mode() == "transfer":
-            raise TransferError("fault injection: the transfer engine is broken on purpose")
+        if WRITE_HOOK is not None:
+            WRITE_HOOK(tag)
         if segments:
             self._write(peer, segments, tag, kinds)
 
