@@ -8,7 +8,7 @@
 // indexer's scoring by keys; the routed experts by their output columns), with a barrier
 // between phases. Every output element is computed by one thread in a fixed order, so the
 // result does not depend on the thread count. Weights are fp32 or bf16, the pool fp32, bf16 or
-// FP8 (cpu_decode_kv.h); activations are fp32. Built at first use by cpu_decode.py.
+// FP8 (cpu_decode_kv.h); activations are fp32. Built at first use by engine/decode/native.py.
 
 #include <torch/extension.h>
 

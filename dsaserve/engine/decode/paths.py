@@ -13,6 +13,7 @@ with `name`, `accepts(step)` and `logits(step)`, put in the list where it should
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -27,30 +28,19 @@ from dsaserve.layers.forward_batch import ForwardBatch, forward_context
 
 class Step:
     """One step as the paths see it: the scheduled batch and, built on first use, its
-    ForwardBatch (the native path never needs one)."""
+    ForwardBatch and the entries that produce logits (the native path never needs them)."""
 
     def __init__(self, scheduled: ScheduledBatch, all_rows: bool, build) -> None:
         self.scheduled, self.all_rows, self._build = scheduled, all_rows, build
-        self._batch: tuple[ForwardBatch, list[int]] | None = None
 
-    @property
-    def batch(self) -> ForwardBatch:
-        return self._built()[0]
-
-    @property
-    def sampled(self) -> list[int]:
-        """The batch entries that produce logits."""
-        return self._built()[1]
-
-    def _built(self) -> tuple[ForwardBatch, list[int]]:
-        if self._batch is None:
-            batch, sampled = self._build(self.scheduled)
-            if self.all_rows:
-                batch.logits_rows = torch.arange(
-                    batch.input_ids.shape[0], device=batch.positions.device
-                )
-            self._batch = batch, sampled
-        return self._batch
+    @functools.cached_property
+    def built(self) -> tuple[ForwardBatch, list[int]]:
+        batch, sampled = self._build(self.scheduled)
+        if self.all_rows:
+            batch.logits_rows = torch.arange(
+                batch.input_ids.shape[0], device=batch.positions.device
+            )
+        return batch, sampled
 
 
 class DecodePath(Protocol):
@@ -87,11 +77,11 @@ class GraphPath:
         self.name, self.graphs, self.model = "cuda_graph", graphs, model
 
     def accepts(self, step: Step) -> bool:
-        return self.graphs.accepts(step.batch)
+        return self.graphs.accepts(step.built[0])
 
     def logits(self, step: Step) -> tuple[list[int], torch.Tensor]:
-        batch = step.batch
-        return step.sampled, self.model.logits(self.graphs(batch)[batch.logits_rows])
+        batch, sampled = step.built
+        return sampled, self.model.logits(self.graphs(batch)[batch.logits_rows])
 
 
 class FusedPath:
@@ -102,14 +92,14 @@ class FusedPath:
         self.step = step
 
     def accepts(self, step: Step) -> bool:
-        return self.step.accepts(step.batch)
+        return self.step.accepts(step.built[0])
 
     def logits(self, step: Step) -> tuple[list[int], torch.Tensor]:
-        batch = step.batch
+        batch, sampled = step.built
         with forward_context(batch):
             logits = self.step(batch)
         rows = batch.logits_rows
-        return step.sampled, logits if rows.numel() == logits.shape[0] else logits[rows]
+        return sampled, logits if rows.numel() == logits.shape[0] else logits[rows]
 
 
 class LayeredPath:
@@ -122,8 +112,9 @@ class LayeredPath:
         return True
 
     def logits(self, step: Step) -> tuple[list[int], torch.Tensor]:
-        with forward_context(step.batch):
-            return step.sampled, self.model.forward_logits()
+        batch, sampled = step.built
+        with forward_context(batch):
+            return sampled, self.model.forward_logits()
 
 
 def build_paths(model, pool: KVPool, decode_step: DecodeStep | None,

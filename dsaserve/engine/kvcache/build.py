@@ -100,7 +100,7 @@ def build_storage(args: ServerArgs, pool: KVPool, dtype: torch.dtype, with_mtp: 
 
 
 def page_key(args: ServerArgs, extra: dict) -> bytes:
-    """The deployment's key for storage pages (hicache_codec.py); an unusable storage directory
+    """The deployment's key for storage pages (codec.py); an unusable storage directory
     gets a key for this run only (its pages do not outlive it)."""
     root = storage_root(extra)
     try:

@@ -1,6 +1,6 @@
 """HiCache's storage tier (L3): KV pages in files that outlive the server.
 
-A page is stored as one framed blob (hicache_codec.py: authenticated by the deployment's HMAC key,
+A page is stored as one framed blob (codec.py: authenticated by the deployment's HMAC key,
 then a JSON header and the payload). A page's key chains the SHA-256 of the model identity and
 every token up to the page's end, so a key names one prefix of one model. A blob that fails any
 check (not authenticated, truncated, foreign identity, a header of any wrong shape) is logged,

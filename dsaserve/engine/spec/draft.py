@@ -16,7 +16,7 @@ rows 1..B-1 give the drafts through the target's LM head. Greedy and seeded rows
 (argmax, or DFlash2's selector walk at temperature 0); other sampled rows draw each draft from
 the drafter's q at the request's temperature (DFlash: also its top-k / top-p / min-p, as the
 reference's `_sampling_probs`; DFlash2: the selector's softmax), and q is kept for rejection
-sampling (`dflash_accept.py`).
+sampling (`verify.py`).
 
 On CPU the drafter's layers and its context entries run as C++ calls instead
 (`draft_native.py`, the same math in fp32; the torch path above stays the reference).
