@@ -18,9 +18,9 @@ from tiny_models import make_checkpoint
 
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.decode import native as cpu_decode
-from dsaserve.engine.decode.fused import FusedDecode, rotation
+from dsaserve.engine.decode.fused import FusedDecode
 from dsaserve.kernels.topk import topk_earliest
-from dsaserve.layers.rotary import apply_rotary
+from dsaserve.layers.rotary import apply_rotary, rotation
 
 MODES = {"python": {"disable_native_decode": True}, "native": {}}
 
@@ -130,3 +130,23 @@ def test_fused_decode_matches_layered_model(case, mode, tmp_path, monkeypatch):
             assert abs(a.logprob - b.logprob) < 1e-5
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
             assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-5
+
+
+def test_the_decode_forms_hold_no_second_copy_of_the_weights(tmp_path):
+    """The fused forms stack the attention and MLP Linears by rows (w_in, w_qres, gate_up) and
+    the layered model's Linears become views of the stacks, so the engine's weights take the
+    bytes of its parameters once (before: the stacks were copies beside them)."""
+    folder = make_checkpoint(tmp_path / "ckpt", "glm", 0)
+    with LLM(str(folder), page_size=4, max_total_tokens=1024, dtype="float32") as llm:
+        model, fused = llm.engine.model, llm.engine.runner.decode_step.fused
+
+        def storage(t: torch.Tensor) -> tuple[int, int]:
+            return t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+
+        params = dict(storage(p) for p in model.parameters())
+        stacks = dict(storage(t) for w in fused.weights for t in (w.w_in, w.w_qres, w.mlp_gate_up))
+        assert stacks.keys() <= params.keys()
+        layer, weights = model.model.layers[0], fused.weights[0]
+        assert storage(layer.self_attn.q_a_proj.weight) == storage(weights.w_in)
+        assert torch.equal(weights.mlp_gate_up[: layer.mlp.gate_proj.weight.shape[0]],
+                           layer.mlp.gate_proj.weight)  # fmt: skip

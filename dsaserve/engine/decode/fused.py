@@ -63,6 +63,18 @@ def _whole(module: nn.Module) -> bool:
     return False
 
 
+def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """`weights` stacked by rows in one tensor, each of them then a view of its rows: the fused
+    forms read the stack and the layered model the views, so memory holds the bytes once (the
+    same values, each view contiguous: the layered model's math is unchanged)."""
+    stack = torch.cat([w.detach() for w in weights])
+    row = 0
+    for weight in weights:
+        weight.data = stack[row : row + weight.shape[0]]
+        row += weight.shape[0]
+    return stack
+
+
 def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     attn: MLAttention = layer.self_attn
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
@@ -83,7 +95,7 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
         dtypes.add(experts.down_proj.dtype)
     if not _plain(*linears) or len(dtypes) != 1 or not dtypes <= set(NATIVE_DTYPES):
         return None
-    w_in = torch.cat([m.weight for m in into])
+    w_in = stacked([m.weight for m in into])
     biases = [m.bias for m in into]
     b_in = None
     if any(b is not None for b in biases):
@@ -93,8 +105,8 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     return LayerWeights(
         w_in,
         b_in,
-        torch.cat([m.weight for m in from_q]),
-        torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
+        stacked([m.weight for m in from_q]),
+        stacked([ffn.gate_proj.weight, ffn.up_proj.weight]),
         w_uk.contiguous(),
         w_uv.transpose(1, 2).contiguous(),
         [m.weight.shape[0] for m in into],
