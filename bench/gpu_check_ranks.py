@@ -1,8 +1,9 @@
 """The GPU check's rank part: CUDA-graph decode under `--tp 2` (engine/decode/cuda_graph.py:
 every rank replays its own graph in the rank rounds, NCCL all-reduces captured inside). A tiny
 random GLM checkpoint with an MTP layer, EAGLE on, three prompts (one padded row in bucket 4):
-greedy tokens with graphs must equal `--disable-cuda-graph` on the same two GPUs, with graphs captured. Needs
-two CUDA devices (NCCL refuses two ranks on one); with fewer it reports why it did not run.
+greedy tokens with graphs must equal `--disable-cuda-graph` on the same two GPUs, with graphs
+captured. Needs two CUDA devices (NCCL refuses two ranks on one); with fewer it reports why it
+did not run.
 """
 
 from __future__ import annotations
