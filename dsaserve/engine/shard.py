@@ -16,7 +16,7 @@ from dsaserve.args import ServerArgs, speculative_settings
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.engine.kvcache.sizing import build_pool
-from dsaserve.engine.startup import default_threads, pick_device, pick_dtype
+from dsaserve.engine.startup import default_threads, pick_device, pick_dtype, release_free_heap
 from dsaserve.kernels.registry import Kernels, choose_kernels
 from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.model_config import ModelConfig
@@ -74,6 +74,7 @@ def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool =
                        before_load=keep_fp8)  # fmt: skip
     reports = rank_reports(model, parallel, kept) if config.quantization == "fp8" else []
     pool, per_token = build_pool(args, config, steps > 0, dtype, device, parallel)
+    release_free_heap()  # the loader's temporaries
     return Shard(config, device, dtype, kernels, steps, model, pool, per_token, kept, reports,
                  expert_bytes(model))  # fmt: skip
 

@@ -3,6 +3,7 @@ memory, the checkpoint's generation defaults (engine/shard.py builds a rank's sh
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -69,3 +70,13 @@ def generation_defaults(path: Path) -> dict:
     raw["eos_token_id"] = eos if isinstance(eos, list) else [eos]
     keep = ("temperature", "top_p", "top_k", "eos_token_id")
     return {k: raw[k] for k in keep if raw.get(k) is not None}
+
+
+def release_free_heap() -> None:
+    """Give back to the OS the heap glibc keeps after frees (`malloc_trim`): loading and
+    converting weights, and stacking them for the decode step, free large temporaries that would
+    otherwise stay resident (~8% of a block-FP8 engine's bytes). Without glibc: nothing."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -229,7 +229,7 @@ inline void rms_norm(const float* x, int64_t n, const float* w, double eps, floa
   for (int64_t i = 0; i < n; ++i) out[i] = x[i] * r * w[i];
 }
 
-// Rotary as dsaserve/engine/decode/fused.py `rotation`: out[j] = x[f] cos - x[s] sin,
+// Rotary as dsaserve/layers/rotary.py `rotation`: out[j] = x[f] cos - x[s] sin,
 // out[j + half] = x[s] cos + x[f] sin, with (f, s) = (2j, 2j + 1) interleaved, else (j, j + half).
 inline void rotate(const float* x, const float* cos, const float* sin, int64_t half,
                    bool interleave, float* out) {

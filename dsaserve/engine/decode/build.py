@@ -28,7 +28,7 @@ from dsaserve.engine.kvcache.prefix_cache import PrefixCache
 from dsaserve.engine.ranks.rounds import DistributedModel, RankRunner
 from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.shard import Shard
-from dsaserve.engine.startup import max_running
+from dsaserve.engine.startup import max_running, release_free_heap
 from dsaserve.models.dflash_config import DFlashConfig
 
 
@@ -76,6 +76,7 @@ def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
     if rank_runner is not None:
         rank_runner.graphs = graphs  # every rank replays its own in the FORWARD rounds
     step = decode_step(args, shard, parallel)
+    release_free_heap()  # the copies the decode step's stacks replaced (fused.py `stacked`)
     runner = ModelRunner(model, shard.pool, shard.device, shard.kernels, step,
                          None if rank_runner else graphs)  # fmt: skip
     context = context_length(args, shard, graphs, spec.drafts)
