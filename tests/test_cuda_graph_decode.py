@@ -11,7 +11,9 @@ one. The `gpu` tests capture and replay real graphs and skip without CUDA.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -228,13 +230,20 @@ def test_todays_decode_paths_do_sync(tmp_path, path):
     assert any(entry.path.name == "moe.py" for entry in raised.traceback)
 
 
+def cpu_graphs_path() -> str:
+    """PYTHONPATH with tests/cpu_graphs/ first: the processes started with it build the graphs'
+    runner on CPU (its sitecustomize.py)."""
+    here = Path(__file__).resolve().parent / "cpu_graphs"
+    return os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH")]))
+
+
 def test_tp2_every_rank_replays_the_same_bucket(tmp_path, monkeypatch, forced_graphs):
     """`--tp 2`, EAGLE on: each rank builds its own runner over its shard and pool, and every
     FORWARD round runs it on both ranks in the same bucket (the leader's steps are counted; a
     follower running the layered model instead would all-reduce other sizes, which the
     shared-memory collectives refuse). Greedy tokens and logprobs equal the same layout without
     graphs, padded rows and verify rows included."""
-    monkeypatch.setenv("DSASERVE_GRAPH_DEVICES", "cuda,cpu")  # the spawned follower's
+    monkeypatch.setenv("PYTHONPATH", cpu_graphs_path())  # the spawned follower's
     folder = str(make_mtp_checkpoint(tmp_path / "ckpt", "glm", 0,
                                      indexer_types=["full", "shared", "full"]))  # fmt: skip
     prompts = _prompts(0)
@@ -267,7 +276,7 @@ def test_dp_attention_groups_replay_one_common_bucket(tmp_path):
              "--page-size", "4", "--max-total-tokens", "2048"]  # fmt: skip
     runs = {}
     for graphs in (False, True):
-        env = {"DSASERVE_GRAPH_DEVICES": "cuda,cpu" if graphs else "cuda"}
+        env = {"PYTHONPATH": cpu_graphs_path()} if graphs else {}
         with running_server(folder, *flags, env=env) as server:
             client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=300)
             lengths = [NEW_TOKENS] + [4] * (len(prompts) - 1)  # then one group decodes alone

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from typing import NamedTuple
 
@@ -34,9 +33,9 @@ from dsaserve.layers.forward_batch import ForwardBatch, installed
 
 logger = logging.getLogger(__name__)
 
-# device types the engine builds the runner for; DSASERVE_GRAPH_DEVICES=cuda,cpu also builds it
-# on CPU, where it runs the padded static step eagerly (how the tests check it across ranks)
-GRAPH_DEVICES = tuple(os.environ.get("DSASERVE_GRAPH_DEVICES", "cuda").split(","))
+# device types the engine builds the runner for: a seam a test widens to ("cuda", "cpu"), where
+# the runner runs the padded static step eagerly (tests/cpu_graphs/ does it in every process)
+GRAPH_DEVICES = ("cuda",)
 MAX_DEFAULT_BS = 256
 FIRST_CONTEXT = 64
 MAX_TABLE_ENTRIES = 1 << 24  # rows x context of the largest slot table kept static (144 MB)
