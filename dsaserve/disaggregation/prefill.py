@@ -37,6 +37,7 @@ from dsaserve.disaggregation.protocol import (
     parse_to_prefill,
 )
 from dsaserve.disaggregation.role_engine import Reject, RoleEngine, aborted_output, expired
+from dsaserve.disaggregation.transfer import base as transfer_base
 from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.request import Req
 
@@ -307,10 +308,13 @@ class PrefillEngine(RoleEngine):
         size = sum(s[2] for s in segments + tail)
         started = time.monotonic()
         kinds = (self.layout["kv_kind"], peer.layout["kv_kind"])
-        # KV, then the aux record in a write of its own (one memory kind per write) that carries
-        # the room's tag: the decode counts the room written when that tag arrives
-        self.transfer.write(peer.handle, segments, b"", kinds)
-        self.transfer.write(peer.handle, tail, str(room).encode())
+        # one write carrying the room's tag (the decode counts the room written when it arrives);
+        # KV first in a write of its own where the memory kinds differ (one kind per write), or
+        # where a fault hook is installed (transfer/base.py: its point between KV and aux)
+        if kinds != transfer_base.HOST or transfer_base.WRITE_HOOK is not None:
+            self.transfer.write(peer.handle, segments, b"", kinds)
+            segments = []
+        self.transfer.write(peer.handle, segments + tail, str(room).encode())
         seconds = time.monotonic() - started
         self.counters["pd_bytes"] += size
         self.counters["pd_transfer_seconds"] += seconds

@@ -23,8 +23,9 @@ BACKENDS = {
 }
 # The fault-injection seam: None in production. A test installs a callable in the server's
 # processes (tests/pd_faults.py) that runs before every write, given the write's tag, and may
-# raise `TransferError` or wait. The prefill writes a room's KV (tag b"") before its aux record
-# (tag: the room id), so a hook that waits on a room's tag stands between the two.
+# raise `TransferError` or wait. With a hook installed the prefill writes a room's KV (tag b"")
+# before its aux record (tag: the room id), so a hook that waits on a room's tag stands between
+# the two (without one, host memory on both sides goes in a single write).
 WRITE_HOOK: Callable[[bytes], None] | None = None
 
 
