@@ -43,11 +43,9 @@ class Engine:
         shard = build_shard(args, self.parallel, show_progress, own_threads=True)
         self._init_shard(shard)
         self.cache = build_cache(args, shard.pool, shard.dtype, shard.with_mtp, self.parallel)
-        self.runner, self.scheduler, self.context_length = build_runner(args, shard, self.cache,
-                                                                        self.parallel)  # fmt: skip
-        self.model, self.graphs = self.runner.model, self.runner.graphs
-        if self.parallel.world > 1:
-            self.graphs = self.model.runner.graphs  # every rank replays its own
+        built = build_runner(args, shard, self.cache, self.parallel)
+        self.runner, self.scheduler, self.context_length, self.graphs = built
+        self.model = self.runner.model  # with ranks, the leader's DistributedModel
         self.spec = build_spec(args, self.runner, shard)
         self._init_admission(Admission(args, shard.config, self.context_length))
         self.sampler = Sampler(seed=args.random_seed)

@@ -9,14 +9,13 @@ tiers, when on). Under DP attention the first rank of groups 1..dp-1 is a full e
 
 from __future__ import annotations
 
-from dsaserve.dflash_args import dflash_settings
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.distributed.rendezvous import init_rank
-from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
+from dsaserve.engine.decode.build import build_graphs, spec_shape
 from dsaserve.engine.kvcache.build import build_rank_tiers
 from dsaserve.engine.ranks.rounds import RankRunner
 from dsaserve.engine.shard import build_shard
-from dsaserve.engine.startup import max_running, pick_device
+from dsaserve.engine.startup import pick_device
 from dsaserve.runtime import heartbeat
 from dsaserve.runtime.engine_process import run_group_leader
 from dsaserve.runtime.ranks import RankJob, rank_threads, share_paths
@@ -44,11 +43,7 @@ def follower_runner(args, parallel: ParallelState) -> RankRunner:
     shard = build_shard(args, parallel, show_progress=False)
     pool = shard.pool
     runner = RankRunner(shard.model, pool.kv_cache, pool.index_cache, parallel, shard.device)
-    if dflash_settings(args) is None:
-        running = max_running(args, shard.with_mtp, shard.device)
-        runner.graphs = CudaGraphRunner.build(shard.model, pool, shard.kernels,
-                                              args.cuda_graph_max_bs, running, shard.spec_steps,
-                                              args.disable_cuda_graph)  # fmt: skip
+    runner.graphs = build_graphs(args, shard, spec_shape(args, shard), ranks=True)
     if args.enable_hierarchical_cache:  # its own host and storage tiers, its leader's moves
         runner.tiers = build_rank_tiers(args, pool, shard.dtype, shard.with_mtp, parallel)
     return runner

@@ -44,6 +44,7 @@ class Built(NamedTuple):
     runner: ModelRunner
     scheduler: Scheduler
     context_length: int
+    graphs: CudaGraphRunner | None  # this rank's, wherever they run (the runner or the rounds)
 
 
 def spec_shape(args: ServerArgs, shard: Shard) -> SpecShape:
@@ -53,8 +54,8 @@ def spec_shape(args: ServerArgs, shard: Shard) -> SpecShape:
     if settings is None:
         return SpecShape(shard.spec_steps)
     config = DFlashConfig.from_dir(settings.draft_path)
-    block = settings.block_size or config.block_size
-    return SpecShape(block - 1, tuple(config.target_layer_ids), drafter=True)
+    drafts = config.verify_block(settings.block_size) - 1
+    return SpecShape(drafts, tuple(config.target_layer_ids), drafter=True)
 
 
 def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
@@ -68,11 +69,7 @@ def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
         model = DistributedModel(rank_runner)
         if args.enable_hierarchical_cache:  # the group repeats the tiers' moves (kvcache/moves.py)
             rank_runner.tiers = cache.moves
-    graphs = None
-    if rank_runner is None or not spec.drafter:  # (takes one scratch page from the pool)
-        graphs = CudaGraphRunner.build(shard.model, shard.pool, shard.kernels,
-                                       args.cuda_graph_max_bs, running, spec.drafts,
-                                       args.disable_cuda_graph, spec.taps)  # fmt: skip
+    graphs = build_graphs(args, shard, spec, ranks=rank_runner is not None)
     if rank_runner is not None:
         rank_runner.graphs = graphs  # every rank replays its own in the FORWARD rounds
     step = decode_step(args, shard, parallel)
@@ -82,7 +79,20 @@ def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
     context = context_length(args, shard, graphs, spec.drafts)
     chunk = args.chunked_prefill_size or (8192 if shard.device.type == "cuda" else 2048)
     config = SchedulerConfig(running, chunk, context, decode_tokens=spec.drafts + 1)
-    return Built(runner, Scheduler(config, shard.pool, cache), context)
+    return Built(runner, Scheduler(config, shard.pool, cache), context, graphs)
+
+
+def build_graphs(args: ServerArgs, shard: Shard, spec: SpecShape,
+                 ranks: bool) -> CudaGraphRunner | None:  # fmt: skip
+    """This rank's CUDA graphs (they take one scratch page from its pool), built alike by the
+    leader and every follower (runtime/follower.py), so their buckets agree. None with ranks and
+    a DFLASH drafter: its taps are the leader's alone."""
+    if ranks and spec.drafter:
+        return None
+    running = max_running(args, shard.with_mtp or spec.drafter, shard.device)
+    return CudaGraphRunner.build(shard.model, shard.pool, shard.kernels, args.cuda_graph_max_bs,
+                                 running, spec.drafts, args.disable_cuda_graph,
+                                 spec.taps)  # fmt: skip
 
 
 def decode_step(args: ServerArgs, shard: Shard, parallel: ParallelState) -> DecodeStep | None:
