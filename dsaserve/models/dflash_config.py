@@ -60,6 +60,10 @@ class DFlashConfig:
         """Width of one layer's cached context entry: K and V of every KV head."""
         return 2 * self.num_kv_heads * self.head_dim
 
+    def verify_block(self, flag: int | None) -> int:
+        """The verify window: --speculative-dflash-block-size (`flag`), else the checkpoint's."""
+        return flag or self.block_size
+
     def context_bytes_per_token(self, itemsize: int) -> int:
         """The drafter's context entry per target token (every layer's K and V), in bytes."""
         return self.num_layers * self.kv_dim * itemsize

@@ -31,14 +31,10 @@ def load_dflash(settings: DFlashSettings, target: ModelConfig, dtype: torch.dtyp
     config = drafter.config
     logger.info("DFlash drafter %s: %s, %d layers, block size %d (%s), target layers %s",
                 settings.draft_path, config.architecture, config.num_layers,
-                block_size(settings, drafter), "flag" if settings.block_size else "checkpoint",
+                config.verify_block(settings.block_size),
+                "flag" if settings.block_size else "checkpoint",
                 list(config.target_layer_ids))  # fmt: skip
     return drafter
-
-
-def block_size(settings: DFlashSettings, drafter: DFlashDraftModel) -> int:
-    """The verify window: --speculative-dflash-block-size, else the checkpoint's."""
-    return settings.block_size or drafter.config.block_size
 
 
 def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kernels,
@@ -48,6 +44,6 @@ def build_decoder(runner: ModelRunner, drafter: DFlashDraftModel, kernels: Kerne
     device = runner.device
     dtype = drafter.fc.weight.dtype
     context = DraftContext(drafter, num_slots, dtype, device)
-    block = block_size(settings, drafter)
+    block = drafter.config.verify_block(settings.block_size)
     proposer = Drafter(drafter, runner.model, context, kernels, block, settings.window, native)
     return DFlashDecoder(runner, proposer, drafter.config.target_layer_ids)
