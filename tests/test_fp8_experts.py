@@ -1,7 +1,8 @@
 """Routed experts kept block-FP8 at load (layers/fp8_experts.py) and run by the Triton `moe` op.
 
 On CPU the op runs under the interpreter (`--moe-runner-backend triton`); the torch backend
-still dequantises. The twin of every check is the same FP8 checkpoint served dequantised.
+dequantises (tests/test_native_fp8.py has the CPU backend's kept experts). The twin of every check
+is the same FP8 checkpoint served dequantised.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def test_experts_stay_fp8_and_give_the_dequantised_twins_logits(folders, monkeyp
     _, fp8 = folders
     llm = LLM(str(fp8), moe_runner_backend="triton", **COMMON)
     kept = llm.engine
-    twin = LLM(str(fp8), **COMMON).engine  # torch backend on CPU: dequantised on load
+    twin = LLM(str(fp8), moe_runner_backend="torch", fp8_gemm_backend="torch",
+               **COMMON).engine  # the torch backends: dequantised on load  # fmt: skip
     layers = [m for m in kept.model.modules() if isinstance(m, MoE)]
     assert len(layers) == MOE_LAYERS and kept.stats()["fp8_expert_layers_kept"] == MOE_LAYERS
     assert all(isinstance(m.experts, Fp8Experts) for m in layers)

@@ -21,11 +21,17 @@ PROMPT = torch.randint(0, 380, (40,), generator=torch.Generator().manual_seed(5)
 
 
 def test_cpu_chooses_the_torch_reference_for_every_op() -> None:
+    """...but the two ops over block-FP8 weights, whose CPU backend keeps them FP8."""
     kernels = choose_kernels(ServerArgs(), "cpu")
     assert set(kernels.names) == set(IMPLEMENTATIONS)
-    assert set(kernels.names.values()) == {"torch"}
+    fp8_ops = {"moe", "fp8_gemm"}
+    assert {op for op, name in kernels.names.items() if name == "cpu"} == fp8_ops
+    assert {kernels.names[op] for op in set(IMPLEMENTATIONS) - fp8_ops} == {"torch"}
+    assert kernels.eager
     for op in IMPLEMENTATIONS:
         assert load(op, "torch") is not None  # imports
+    explicit = ServerArgs(moe_runner_backend="torch", fp8_gemm_backend="torch")
+    assert set(choose_kernels(explicit, "cpu").names.values()) == {"torch"}
 
 
 @pytest.mark.parametrize(
@@ -80,7 +86,8 @@ def test_fp8_checkpoint_keeps_fp8_weights_with_the_triton_gemm(tmp_path) -> None
     quantize_checkpoint(src, fp8, block=128)
     common = dict(dtype="float32", max_total_tokens=256, page_size=4)
     kept = LLM(str(fp8), fp8_gemm_backend="triton", **common).engine
-    dequantised = LLM(str(fp8), **common).engine
+    dequantised = LLM(str(fp8), fp8_gemm_backend="torch", moe_runner_backend="torch",
+                      **common).engine  # fmt: skip
     proj = kept.model.model.layers[1].self_attn.o_proj
     assert isinstance(proj, Fp8Linear) and proj.weight.dtype == torch.float8_e4m3fn
     assert kept.stats()["fp8_linears_kept"] > 10 and dequantised.stats()["fp8_linears_kept"] == 0

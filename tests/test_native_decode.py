@@ -58,6 +58,16 @@ def assert_close(layered, native, tol: float = 1e-5) -> None:
             assert max(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)) < tol
 
 
+def errors(reference, outs) -> list[float]:
+    """|logprob - the reference's| at every step up to each request's first differing token."""
+    errs = []
+    for a, b in zip(reference, outs):
+        same = [x == y for x, y in zip(a.token_ids, b.token_ids)] + [False]
+        errs += [abs(x.logprob - y.logprob)
+                 for x, y in zip(a.logprobs[: same.index(False)], b.logprobs)]  # fmt: skip
+    return errs
+
+
 def logprobs(outs) -> list[list[float]]:
     return [[lp.logprob for lp in o.logprobs] + [v for lp in o.logprobs for _, v in lp.top]
             for o in outs]  # fmt: skip
@@ -169,15 +179,6 @@ def test_bf16_weights_decode_natively(seed, tmp_path):
     step.fused.native = counted = Counted(step.native)
     native = llm.generate(prompts, PARAMS, use_tqdm=False)
     assert counted.calls >= PARAMS.max_tokens - 1
-
-    def errors(outs) -> list[float]:
-        errs = []
-        for a, b in zip(reference, outs):
-            same = [x == y for x, y in zip(a.token_ids, b.token_ids)] + [False]
-            errs += [abs(x.logprob - y.logprob)
-                     for x, y in zip(a.logprobs[: same.index(False)], b.logprobs)]  # fmt: skip
-        return errs
-
-    ours, theirs = errors(native), errors(layered)
+    ours, theirs = errors(reference, native), errors(reference, layered)
     assert max(ours) < 0.1
     assert sum(ours) / len(ours) <= 2 * sum(theirs) / len(theirs) + 0.002

@@ -11,13 +11,16 @@
 
 namespace dsa {
 
-// parts = h W_in^T (q_a | kv_a | index key | index head weights); the new entry and key into
-// the pool; q_resid; qp = q_resid W_qres^T (q heads | index q heads).
+// parts = h W_in^T (q_a | kv_a | index key | index head weights: the last from W_in, or from
+// w_idx where W_in is FP8 and the head weights are not); the new entry and key into the pool;
+// q_resid; qp = q_resid W_qres^T (q heads | index q heads).
 inline void Layer::project(const Ctx& c, const Rows& kv, const Rows& keys) const {
   Scratch& w = c.w;
-  const int64_t rows = c.s.rows, hidden = w.hidden, width = w_in.rows, entry = rank + rope;
-  Job in = Job::linear(w_in, rows, w.h.data(), hidden, w.parts.data(), width);
-  run_jobs(&in, 1, c.tid, c.nth);
+  const int64_t rows = c.s.rows, hidden = w.hidden, width = parts_width(), entry = rank + rope;
+  const Job in[2] = {Job::linear(w_in, rows, w.h.data(), hidden, w.parts.data(), width),
+                     Job::linear(w_idx, rows, w.h.data(), hidden, w.parts.data() + w_in.rows,
+                                 width)};
+  run_jobs(in, w_idx.rows ? 2 : 1, c.tid, c.nth);
   c.barrier();
   const auto [b, e] = c.my_rows();
   const int64_t half = rope / 2, k_off = q_lora + rank + rope, w_off = k_off + idx_dim;
@@ -66,7 +69,7 @@ inline void Layer::queries(const Ctx& c) const {
       float* out = w.qfull.data() + (t * heads + h) * entry;
       Mat uk = w_uk_t;
       uk.data = static_cast<const uint8_t*>(w_uk_t.data) +
-                h * rank * nope * (w_uk_t.bf16 ? 2 : 4);
+                h * rank * nope * w_uk_t.elem_bytes();
       RowsRef x{q + h * qk, 0, nullptr};
       linear_ref(x, 1, uk, 0, rank, out, 0);
       rotate(q + h * qk + nope, c.cos(t), c.sin(t), half, true, out + rank);
@@ -163,7 +166,7 @@ inline void Layer::attend(const Ctx& c, const Rows& kv) const {
       for (int64_t i = 0; i < rank; ++i) latent[i] += weight * ptr[j][i];
     }
     Mat uv = w_uv;
-    uv.data = static_cast<const uint8_t*>(w_uv.data) + h * v * rank * (w_uv.bf16 ? 2 : 4);
+    uv.data = static_cast<const uint8_t*>(w_uv.data) + h * v * rank * w_uv.elem_bytes();
     RowsRef x{latent.data(), 0, nullptr};
     linear_ref(x, 1, uv, 0, v, w.ov.data() + (t * heads + h) * v, 0);
   }

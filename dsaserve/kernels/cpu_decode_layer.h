@@ -26,10 +26,11 @@ namespace dsa {
 
 using torch::Tensor;
 
-// The order of a layer's tensors, ints and floats (engine/decode/native.py layer_fields).
+// The order of a layer's tensors, ints and floats (engine/decode/native.py layer_fields); its
+// scales are a second tensor list in Slot order (an FP8 weight's, empty for the others).
 enum Slot {
   kInNorm, kWIn, kBIn, kQaNorm, kWQres, kKvNorm, kWUkT, kWUv, kWO, kBO, kPostNorm, kMlpGateUp,
-  kMlpDown, kRouter, kRouterBias, kExpGateUp, kExpDown, kIdxNormW, kIdxNormB, kNumSlots
+  kMlpDown, kRouter, kRouterBias, kExpGateUp, kExpDown, kIdxNormW, kIdxNormB, kWIdx, kNumSlots
 };
 enum Int {
   kLayerId, kIndexCache, kQLora, kRank, kRope, kIdxDim, kIdxHeads, kHeads, kNope, kV,
@@ -37,17 +38,29 @@ enum Int {
 };
 enum Float { kInEps, kQaEps, kKvEps, kPostEps, kIdxEps, kScale, kScaling, kNumFloats };
 
-inline Mat mat(const Tensor& t, int64_t index = -1) {
+// Weight `t` (matrix `index` of a stack of them), with its scale grid where it is FP8.
+inline Mat mat(const Tensor& t, const Tensor& scale = {}, int64_t index = -1) {
   Mat m;
   if (!t.defined() || t.numel() == 0) return m;
-  TORCH_CHECK(t.is_contiguous() && (t.scalar_type() == torch::kFloat ||
-                                    t.scalar_type() == torch::kBFloat16),
-              "native decode weights: contiguous fp32 or bf16");
+  const auto type = t.scalar_type();
+  TORCH_CHECK(t.is_contiguous() && (type == torch::kFloat || type == torch::kBFloat16 ||
+                                    type == torch::kFloat8_e4m3fn),
+              "native decode weights: contiguous fp32, bf16 or float8_e4m3fn");
   m.rows = t.size(-2);
   m.cols = t.size(-1);
-  m.bf16 = t.scalar_type() == torch::kBFloat16;
+  m.kind = type == torch::kBFloat16 ? kBF16 : type == torch::kFloat8_e4m3fn ? kFP8 : kF32;
   const int64_t offset = index < 0 ? 0 : index * m.rows * m.cols;
   m.data = static_cast<const uint8_t*>(t.data_ptr()) + offset * t.element_size();
+  if (m.kind == kFP8) {
+    TORCH_CHECK(scale.defined() && scale.scalar_type() == torch::kFloat && scale.is_contiguous(),
+                "an FP8 weight needs its fp32 scale grid");
+    m.scale_rows = scale.size(-2) == m.rows ? 1 : kScaleBlock;
+    m.scale_cols = (m.cols + kScaleBlock - 1) / kScaleBlock;
+    TORCH_CHECK(scale.size(-1) == m.scale_cols &&
+                scale.size(-2) == (m.rows + m.scale_rows - 1) / m.scale_rows,
+                "FP8 scale grid does not fit its weight");
+    m.scale = scale.data_ptr<float>() + (index < 0 ? 0 : index * scale.size(-2) * m.scale_cols);
+  }
   return m;
 }
 
@@ -96,21 +109,24 @@ struct Ctx {
 };
 
 struct Layer {
-  Layer(const std::vector<Tensor>& t, const std::vector<int64_t>& i, const std::vector<double>& f)
-      : t_(t), f_(f) {
-    TORCH_CHECK(t.size() == kNumSlots && i.size() == kNumInts && f.size() == kNumFloats,
-                "layer fields");
+  Layer(const std::vector<Tensor>& t, const std::vector<Tensor>& sc, const std::vector<int64_t>& i,
+        const std::vector<double>& f)
+      : t_(t), sc_(sc), f_(f) {
+    TORCH_CHECK(t.size() == kNumSlots && sc.size() == kNumSlots && i.size() == kNumInts &&
+                f.size() == kNumFloats, "layer fields");
     layer_id = i[kLayerId], index_cache = i[kIndexCache], q_lora = i[kQLora], rank = i[kRank];
     rope = i[kRope], idx_dim = i[kIdxDim], idx_heads = i[kIdxHeads], heads = i[kHeads];
     nope = i[kNope], v = i[kV], interleave = i[kIdxInterleave] != 0, topk = i[kTopk];
     groups = i[kNGroup], topk_group = i[kTopkGroup], top_k = i[kTopK], normalise = i[kNormalise];
-    w_in = mat(t[kWIn]), w_qres = mat(t[kWQres]), w_o = mat(t[kWO]);
+    w_in = mat(t[kWIn], sc[kWIn]), w_qres = mat(t[kWQres], sc[kWQres]), w_o = mat(t[kWO], sc[kWO]);
+    w_idx = mat(t[kWIdx]);
     w_in.bias = f32(t[kBIn]), w_o.bias = f32(t[kBO]);
-    mlp_gate_up = mat(t[kMlpGateUp]), mlp_down = mat(t[kMlpDown]), router = mat(t[kRouter]);
+    mlp_gate_up = mat(t[kMlpGateUp], sc[kMlpGateUp]), mlp_down = mat(t[kMlpDown], sc[kMlpDown]);
+    router = mat(t[kRouter]);
     experts = t[kExpGateUp].defined() && t[kExpGateUp].numel() ? t[kExpGateUp].size(0) : 0;
     for (int64_t e = 0; e < experts; ++e) {
-      exp_gate_up.push_back(mat(t[kExpGateUp], e));
-      exp_down.push_back(mat(t[kExpDown], e));
+      exp_gate_up.push_back(mat(t[kExpGateUp], sc[kExpGateUp], e));
+      exp_down.push_back(mat(t[kExpDown], sc[kExpDown], e));
     }
     in_norm = f32(t[kInNorm]), qa_norm = f32(t[kQaNorm]), kv_norm = f32(t[kKvNorm]);
     post_norm = f32(t[kPostNorm]), idx_norm_w = f32(t[kIdxNormW]), idx_norm_b = f32(t[kIdxNormB]);
@@ -120,14 +136,15 @@ struct Layer {
   }
 
   void forward(const Ctx& c, const Rows& kv, const Rows& keys) const;
+  int64_t parts_width() const { return w_in.rows + w_idx.rows; }
 
   int64_t layer_id, index_cache, q_lora, rank, rope, idx_dim, idx_heads, heads, nope, v, topk;
   int64_t groups, topk_group, top_k, normalise, experts, qk;
   bool interleave;
-  Mat w_in, w_qres, w_o, mlp_gate_up, mlp_down, router, w_uk_t, w_uv;
+  Mat w_in, w_idx, w_qres, w_o, mlp_gate_up, mlp_down, router, w_uk_t, w_uv;
   std::vector<Mat> exp_gate_up, exp_down;
   const float *in_norm, *qa_norm, *kv_norm, *post_norm, *idx_norm_w, *idx_norm_b, *router_bias;
-  std::vector<Tensor> t_;  // keeps the weights alive
+  std::vector<Tensor> t_, sc_;  // keep the weights and scales alive
   std::vector<double> f_;
 
  private:
@@ -153,7 +170,7 @@ struct Head {
     for (int64_t t = b; t < e; ++t) {
       float* x = c.w.x.data() + t * hidden;
       const int64_t id = c.s.ids[t];
-      if (embed.bf16) {
+      if (embed.kind == kBF16) {
         bf16_to_floats(static_cast<const uint16_t*>(embed.data) + id * hidden, hidden, x);
       } else {
         std::copy_n(static_cast<const float*>(embed.data) + id * hidden, hidden, x);
@@ -213,7 +230,7 @@ inline void Scratch::size(const std::vector<Layer>& layers, const Head& head, in
   int64_t router_w = 0, egu_w = 0, eact_w = 0, act_w = 0, qres_w = 0;
   topk = top_k = 0;
   for (const Layer& L : layers) {
-    parts_w = std::max(parts_w, L.w_in.rows);
+    parts_w = std::max(parts_w, L.parts_width());
     qres_w = std::max(qres_w, L.q_lora);
     qp_w = std::max(qp_w, L.w_qres.rows);
     qfull_w = std::max(qfull_w, L.heads * (L.rank + L.rope));

@@ -1,5 +1,5 @@
-// The loops of the native decode layers (cpu_decode.cpp): dot products, linears over fp32 or
-// bf16 weights, norms, rotary, and the bf16 / e4m3 conversions of the KV cache.
+// The loops of the native decode layers (cpu_decode.cpp): dot products, linears over fp32, bf16
+// or block-FP8 weights, norms, rotary, and the bf16 / e4m3 conversions of the KV cache.
 //
 // Every output element is one dot product computed the same way wherever it falls: 16 lanes
 // accumulated in input order (a masked step for the tail), then one fixed reduction tree. So a
@@ -89,6 +89,13 @@ inline __m512 load_e4m3_scaled(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
 }
 
+inline __m512 load_e4m3_scaled(const uint8_t* p, __mmask16 m) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+}
+
 // One fixed tree: lanes i + 8, then + 4, + 2, + 1.
 inline float hsum(__m512 v) {
   const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -123,30 +130,48 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #endif
 }
 
-// A weight [rows, cols], row-major, fp32 or bf16, with an optional fp32 bias [rows].
+// A weight [rows, cols], row-major, with an optional fp32 bias [rows]: fp32, bf16, or block FP8
+// as the checkpoint stores it (kernels/block_fp8.py): e4m3 bytes, each times the fp32 scale of
+// its block, scale[(row / scale_rows) * scale_cols + col / 128] (scale_rows 128, or 1 where rows
+// of several weights were stacked: one scale row per weight row). The FP8 value is made in
+// registers as e4m3 * scale in fp32, one rounding, as `dequantize_block_fp8` makes it, so a dot
+// over FP8 weights is the dot over the dequantised fp32 weights, bit for bit.
+enum Kind { kF32, kBF16, kFP8 };
+
 struct Mat {
   const void* data = nullptr;
   int64_t rows = 0, cols = 0;
-  bool bf16 = false;
+  Kind kind = kF32;
+  const float* scale = nullptr;
+  int64_t scale_rows = 128, scale_cols = 0;
   const float* bias = nullptr;
+  int64_t elem_bytes() const { return kind == kFP8 ? 1 : kind == kBF16 ? 2 : 4; }
+  const float* scales_of(int64_t row) const { return scale + row / scale_rows * scale_cols; }
 };
+
+constexpr int64_t kScaleBlock = 128;  // the columns one FP8 scale covers
 
 #if defined(__AVX512F__)
 // One block: OB weight rows (from o) x TB input rows (from t), OB x TB accumulators in registers
 // (the block sizes are template arguments so that the compiler keeps them there).
-template <bool BF16, int OB, int TB>
+template <Kind K, int OB, int TB>
 void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, float* const* y) {
   const int64_t cols = w.cols, tail = cols % 16, body = cols - tail;
   const __mmask16 m = static_cast<__mmask16>((1u << tail) - 1);
-  __m512 acc[OB][TB];
+  __m512 acc[OB][TB], scale[OB];
   for (int a = 0; a < OB; ++a)
     for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_setzero_ps();
   const auto step = [&](int64_t i, bool masked) {
     __m512 wv[OB], xv[TB];
     for (int a = 0; a < OB; ++a) {
-      if constexpr (BF16) {
+      if constexpr (K == kBF16) {
         const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
         wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
+      } else if constexpr (K == kFP8) {
+        const uint8_t* wr = static_cast<const uint8_t*>(w.data) + (o + a) * cols + i;
+        if (i % kScaleBlock == 0)  // 2^8 undoes load_e4m3_scaled's 2^-8 (exact)
+          scale[a] = _mm512_set1_ps(w.scales_of(o + a)[i / kScaleBlock] * 256.0f);
+        wv[a] = _mm512_mul_ps(masked ? load_e4m3_scaled(wr, m) : load_e4m3_scaled(wr), scale[a]);
       } else {
         const float* wr = static_cast<const float*>(w.data) + (o + a) * cols + i;
         wv[a] = masked ? _mm512_maskz_loadu_ps(m, wr) : _mm512_loadu_ps(wr);
@@ -166,45 +191,55 @@ void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, floa
     }
 }
 
-template <bool BF16, int OB>
+template <Kind K, int OB>
 void linear_tiles(const float* const* x, int64_t rows, const Mat& w, int64_t o, float* const* y) {
   int64_t t = 0;
-  for (; t + 4 <= rows; t += 4) linear_tile<BF16, OB, 4>(x, w, o, t, y);
+  for (; t + 4 <= rows; t += 4) linear_tile<K, OB, 4>(x, w, o, t, y);
   switch (rows - t) {
-    case 3: linear_tile<BF16, OB, 3>(x, w, o, t, y); break;
-    case 2: linear_tile<BF16, OB, 2>(x, w, o, t, y); break;
-    case 1: linear_tile<BF16, OB, 1>(x, w, o, t, y); break;
+    case 3: linear_tile<K, OB, 3>(x, w, o, t, y); break;
+    case 2: linear_tile<K, OB, 2>(x, w, o, t, y); break;
+    case 1: linear_tile<K, OB, 1>(x, w, o, t, y); break;
     default: break;
   }
 }
 #endif
 
+// Weight row o as fp32 (the portable path's copy; the same values the registers hold above).
+inline const float* weight_row(const Mat& w, int64_t o, std::vector<float>& row) {
+  const int64_t cols = w.cols;
+  if (w.kind == kF32) return static_cast<const float*>(w.data) + o * cols;
+  row.resize(cols);
+  if (w.kind == kBF16) {
+    const uint16_t* wb = static_cast<const uint16_t*>(w.data) + o * cols;
+    for (int64_t i = 0; i < cols; ++i) row[i] = bf16_to_float(wb[i]);
+  } else {
+    const uint8_t* wb = static_cast<const uint8_t*>(w.data) + o * cols;
+    const float* scale = w.scales_of(o);
+    for (int64_t i = 0; i < cols; ++i) row[i] = e4m3_to_float(wb[i]) * scale[i / kScaleBlock];
+  }
+  return row.data();
+}
+
 // y[t][o] = x[t] . w[o] (+ bias[o]) for o in [o0, o1) and every row t < rows, in tiles of 4
 // weight rows x 4 input rows: each weight row is read once for all the rows.
-template <bool BF16>
+template <Kind K>
 void linear_block(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
                   float* const* y) {
 #if defined(__AVX512F__)
   int64_t o = o0;
-  for (; o + 4 <= o1; o += 4) linear_tiles<BF16, 4>(x, rows, w, o, y);
+  for (; o + 4 <= o1; o += 4) linear_tiles<K, 4>(x, rows, w, o, y);
   switch (o1 - o) {
-    case 3: linear_tiles<BF16, 3>(x, rows, w, o, y); break;
-    case 2: linear_tiles<BF16, 2>(x, rows, w, o, y); break;
-    case 1: linear_tiles<BF16, 1>(x, rows, w, o, y); break;
+    case 3: linear_tiles<K, 3>(x, rows, w, o, y); break;
+    case 2: linear_tiles<K, 2>(x, rows, w, o, y); break;
+    case 1: linear_tiles<K, 1>(x, rows, w, o, y); break;
     default: break;
   }
 #else
-  const int64_t cols = w.cols;
-  std::vector<float> row(cols);
+  std::vector<float> row;
   for (int64_t o = o0; o < o1; ++o) {
-    const float* wr = static_cast<const float*>(w.data) + o * cols;
-    if (BF16) {
-      const uint16_t* wb = static_cast<const uint16_t*>(w.data) + o * cols;
-      for (int64_t i = 0; i < cols; ++i) row[i] = bf16_to_float(wb[i]);
-      wr = row.data();
-    }
+    const float* wr = weight_row(w, o, row);
     for (int64_t t = 0; t < rows; ++t) {
-      const float s = dot(wr, x[t], cols);
+      const float s = dot(wr, x[t], w.cols);
       y[t][o] = w.bias ? s + w.bias[o] : s;
     }
   }
@@ -214,10 +249,10 @@ void linear_block(const float* const* x, int64_t rows, const Mat& w, int64_t o0,
 inline void linear_rows(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
                         float* const* y) {
   if (o0 >= o1 || rows == 0) return;
-  if (w.bf16) {
-    linear_block<true>(x, rows, w, o0, o1, y);
-  } else {
-    linear_block<false>(x, rows, w, o0, o1, y);
+  switch (w.kind) {
+    case kBF16: linear_block<kBF16>(x, rows, w, o0, o1, y); break;
+    case kFP8: linear_block<kFP8>(x, rows, w, o0, o1, y); break;
+    default: linear_block<kF32>(x, rows, w, o0, o1, y); break;
   }
 }
 

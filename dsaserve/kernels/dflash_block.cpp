@@ -37,7 +37,7 @@ Mat mat_of(const Tensor& w, const Tensor& bias) {
   m.data = w.data_ptr();
   m.rows = w.size(0);
   m.cols = w.size(1);
-  m.bf16 = w.scalar_type() == torch::kBFloat16;
+  m.kind = w.scalar_type() == torch::kBFloat16 ? kBF16 : kF32;
   if (bias.defined() && bias.numel()) {
     TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == m.rows, "bias: fp32 [rows]");
     m.bias = bias.data_ptr<float>();

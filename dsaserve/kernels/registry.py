@@ -7,18 +7,20 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `indexer` (scores + top-k) | `--dsa-prefill-backend` / `--dsa-decode-backend` | torch, triton |
 | `sparse_mla` (selected entries, absorbed) | `--dsa-decode-backend` | torch, triton, flashmla |
 | `kv_store` (write / read the MLA entry and the index key) | `--kv-cache-dtype` | torch |
-| `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, triton, deep_gemm |
-| `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, triton, deep_gemm |
+| `moe` (routed-expert GEMMs) | `--moe-runner-backend` | torch, cpu, triton, deep_gemm |
+| `fp8_gemm` (block-FP8 128x128 linear) | `--fp8-gemm-backend` | torch, cpu, triton, deep_gemm |
 | `draft_attention` (DFlash block) | `--speculative-draft-attention-backend` | torch, triton |
 
-`torch` is today's eager code, always importable and the `auto` choice on CPU; on CUDA `auto`
-takes our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
+`torch` is today's eager code, always importable and the `auto` choice on CPU, except for the two
+ops that take block-FP8 weights: on CPU their `auto` is `cpu` (kernels/cpu_fp8.py), which keeps them
+FP8 as stored (an explicit `torch` dequantises them on load, the reference). On CUDA `auto` takes
+our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
 kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` / `flashmla_kv` /
 `flashmla_auto`: kernels/flash_mla_adapter.py) were never run on a GPU, so only an explicit flag
-takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise
-our Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`)
-resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line, and on
-a GPU older than sm_80 or a ROCm one so is `triton` (`auto` takes torch; kernels/gpu_target.py).
+takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise our
+Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`) resolves
+to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line, and on a GPU older
+than sm_80 or a ROCm one so is `triton` (`auto` takes torch; kernels/gpu_target.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dsaserve.kernels.gpu_target import unsupported
 
 logger = logging.getLogger(__name__)
 
-TORCH, TRITON, DEEP_GEMM, FLASHMLA = "torch", "triton", "deep_gemm", "flashmla"
+TORCH, TRITON, DEEP_GEMM, FLASHMLA, CPU = "torch", "triton", "deep_gemm", "flashmla", "cpu"
 VENDOR = (DEEP_GEMM, FLASHMLA)  # adapters over an external package: an explicit flag only
 
 # op -> backend -> "module:attribute" (imported only when chosen)
@@ -52,11 +54,13 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "kv_store": {TORCH: "dsaserve.kernels.kv_quant:KV_STORE"},
     "moe": {
         TORCH: "dsaserve.kernels.static_moe:static_experts",
+        CPU: "dsaserve.kernels.cpu_fp8:fp8_experts",
         TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:grouped_experts",
     },
     "fp8_gemm": {
         TORCH: "dsaserve.kernels.reference:fp8_linear",
+        CPU: "dsaserve.kernels.cpu_fp8:fp8_linear",
         TRITON: "dsaserve.kernels.triton_fp8_gemm:fp8_linear",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:fp8_linear",
     },
@@ -108,7 +112,7 @@ def resolve(op: str, requested: str | None, device_type: str, flag: str) -> str:
     if requested in (None, "auto", "dsa", "nsa"):
         if device_type == "cuda" and TRITON in impls and not refusal and available(op, TRITON):
             return TRITON
-        return TORCH
+        return CPU if device_type == "cpu" and CPU in impls else TORCH
     name = ALIASES.get(requested, requested)
     if name == TRITON and refusal:
         raise BackendError(f"{flag} triton: {refusal}; use torch")
@@ -133,6 +137,12 @@ class Kernels:
     """The chosen implementation of each op (names, and the loaded callables)."""
 
     names: dict[str, str] = field(default_factory=lambda: {op: TORCH for op in IMPLEMENTATIONS})
+
+    @property
+    def eager(self) -> bool:
+        """Every op on eager torch code (`torch`, or the CPU FP8 ops): the fused decode step,
+        which reads the pool and the weights itself, runs over these only."""
+        return set(self.names.values()) <= {TORCH, CPU}
 
     def __getattr__(self, op: str) -> Callable:
         if op.startswith("_") or op not in IMPLEMENTATIONS:

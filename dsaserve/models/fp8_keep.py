@@ -1,10 +1,11 @@
 """Which block-FP8 weights a rank keeps FP8, and the per-rank report of what it holds.
 
 Every rank (the leader's engine and each follower, both through engine/shard.py) calls
-`keep_fp8_weights` on its meta model before loading, so each keeps its own slice FP8:
-quantised Linears when a fast `fp8_gemm` runs (layers/fp8_linear.py), routed experts when the
-`moe` op consumes FP8 (layers/fp8_experts.py). After loading, `rank_reports` gathers from every
-rank what it kept: counts, routed-expert bytes and, per kept tensor, its dtype, shape and a
+`keep_fp8_weights` on its meta model before loading, so each keeps its own slice FP8: quantised
+Linears when the `fp8_gemm` op takes FP8 weights (layers/fp8_linear.py), routed experts when the
+`moe` op does (layers/fp8_experts.py): every backend but `torch`, which dequantises on load (on CPU
+`auto` is `cpu`, kernels/cpu_fp8.py: kept). After loading, `rank_reports` gathers from every rank
+what it kept: counts, routed-expert bytes and, per kept tensor, its dtype, shape and a
 position-weighted checksum of its bytes (engine stats `fp8_ranks`; the test compares it with the
 checkpoint's block slices).
 """

@@ -96,10 +96,10 @@ def build_graphs(args: ServerArgs, shard: Shard, spec: SpecShape,
 
 
 def decode_step(args: ServerArgs, shard: Shard, parallel: ParallelState) -> DecodeStep | None:
-    """The fused decode step reads the pool and the weights itself: only over the torch
+    """The fused decode step reads the pool and the weights itself: only over the eager torch
     kernels, on one rank (Triton kernels, the ranks: layered). The native layers read an fp32,
     bf16 or FP8 pool; the Python fused path an fp32 one."""
-    plain = set(shard.kernels.names.values()) == {"torch"} and parallel.world == 1
+    plain = shard.kernels.eager and parallel.world == 1
     return DecodeStep.build(shard.model, plain and not args.disable_fused_decode,
                             args.enable_torch_compile, native=not args.disable_native_decode,
                             cache_dtype=shard.pool.index_cache.dtype)  # fmt: skip

@@ -17,7 +17,8 @@ all decode rows, with:
   (no einsum dispatch); the experts and the router are the layers' own. Every output
 element is the same dot product as in the layered path, so results agree to float rounding
 (fp32 logprobs within 1e-5, same greedy tokens: tests/test_fused_decode.py). Prefill, mixed
-batches, the MTP layer and models not in plain fp32 linears (bf16, FP8) keep the layered path.
+batches, the MTP layer and models not in plain fp32 linears keep the layered path; the native
+form also takes bf16 weights and block-FP8 ones kept as stored (their scales beside them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsaserve.engine.decode import native as native_layers
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, KEPT_BLOCK
 from dsaserve.layers.forward_batch import ForwardBatch, current_batch, gather_rows
+from dsaserve.layers.fp8_linear import Fp8Linear
 from dsaserve.layers.indexer import Indexer, Selection
 from dsaserve.layers.linear import ColumnParallelLinear, RowParallelLinear
 from dsaserve.layers.mla import MLAttention
@@ -48,6 +51,10 @@ class LayerWeights(NamedTuple):
     w_uv_t: torch.Tensor  # [H, rank, v]
     split_in: list[int]
     split_qres: list[int]
+    # block FP8: the stacks' scale grids, and the indexer's head weights (not quantised, so
+    # not in the FP8 w_in, which then ends at the index key)
+    scales: tuple[torch.Tensor | None, ...] = (None, None, None)  # w_in, w_qres, mlp_gate_up
+    w_idx: torch.Tensor | None = None  # [nI, H]
 
 
 def _plain(*modules: nn.Module) -> bool:
@@ -58,7 +65,7 @@ def _plain(*modules: nn.Module) -> bool:
 def _whole(module: nn.Module) -> bool:
     if type(module) in (nn.Linear, nn.LayerNorm):
         return True
-    if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+    if isinstance(module, ColumnParallelLinear | RowParallelLinear | Fp8Linear):
         return getattr(module.weight, "shard", None) is None  # one rank (the engine checks)
     return False
 
@@ -75,42 +82,77 @@ def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     return stack
 
 
+def _stack(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linears' weights stacked (`stacked`), and for FP8 ones their scale grids: stacked too
+    where every weight fills whole 128-row blocks, else one scale row per weight row (a small
+    new tensor: a weight of 576 rows ends inside a block)."""
+    weight = stacked([m.weight for m in linears])
+    if weight.dtype != FP8_DTYPE:
+        return weight, None
+    scales = [m.weight_scale_inv for m in linears]
+    if all(m.weight.shape[0] % KEPT_BLOCK == 0 for m in linears):
+        return weight, stacked(scales)
+    per_row = [s.detach().repeat_interleave(KEPT_BLOCK, 0)[: m.weight.shape[0]]
+               for s, m in zip(scales, linears)]  # fmt: skip
+    return weight, torch.cat(per_row)
+
+
+def _native_dtypes(groups: list[list[nn.Module]], linears: list[nn.Module], experts) -> bool:
+    """Each stacked group of one dtype; the float weights of one of NATIVE_DTYPES (the others
+    block FP8: fp32 or bf16 activations either way)."""
+    if any(len({m.weight.dtype for m in group}) != 1 for group in groups):
+        return False
+    dtypes = {m.weight.dtype for m in linears}
+    if experts is not None:
+        dtypes.add(experts.down_proj.dtype)
+    floats = dtypes - {FP8_DTYPE}
+    return len(floats) <= 1 and floats <= set(NATIVE_DTYPES)
+
+
 def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     attn: MLAttention = layer.self_attn
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
     experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
-    if ffn is None or (experts is not None and experts.down_proj.dtype not in NATIVE_DTYPES):
-        return None  # FP8 experts (layers/fp8_experts.py) run the `moe` op, layered
+    if ffn is None:
+        return None
     into = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
     from_q = [attn.q_b_proj]
+    head_weights = []
     if attn.indexer is not None:
-        into += [attn.indexer.wk, attn.indexer.weights_proj]
+        into.append(attn.indexer.wk)
+        head_weights.append(attn.indexer.weights_proj)
         from_q.append(attn.indexer.wq_b)
-    linears = [*into, *from_q, attn.o_proj, ffn.gate_proj, ffn.up_proj, ffn.down_proj]
-    # fp32 or bf16, one dtype: the Python path runs fp32 only (in bf16 the layered path's
-    # roundings are what docs/determinism.md's bf16 bounds were measured on); the native layers
-    # read bf16 weights too, with fp32 activations.
-    dtypes = {m.weight.dtype for m in linears}
-    if experts is not None:
-        dtypes.add(experts.down_proj.dtype)
-    if not _plain(*linears) or len(dtypes) != 1 or not dtypes <= set(NATIVE_DTYPES):
+    gate_up = [ffn.gate_proj, ffn.up_proj]
+    linears = [*into, *head_weights, *from_q, attn.o_proj, *gate_up, ffn.down_proj]
+    # fp32 or bf16 (one dtype) or block FP8: the Python path runs fp32 only (in bf16 the layered
+    # path's roundings are what docs/determinism.md's bf16 bounds were measured on); the native
+    # layers read bf16 and FP8 weights too, with fp32 activations.
+    if not _plain(*linears) or not _native_dtypes([into, from_q, gate_up], linears, experts):
         return None
-    w_in = stacked([m.weight for m in into])
+    fp8 = into[0].weight.dtype == FP8_DTYPE
+    if not fp8:
+        into, head_weights = into + head_weights, []
+    w_in, in_scale = _stack(into)
     biases = [m.bias for m in into]
+    given = [b for b in biases if b is not None]
     b_in = None
-    if any(b is not None for b in biases):
-        b_in = torch.cat([b if b is not None else w_in.new_zeros(m.weight.shape[0])
+    if given:
+        b_in = torch.cat([b if b is not None else given[0].new_zeros(m.weight.shape[0])
                           for b, m in zip(biases, into)])  # fmt: skip
+    w_qres, qres_scale = _stack(from_q)
+    mlp_gate_up, gate_up_scale = _stack(gate_up)
     w_uk, w_uv = attn.absorbed()
     return LayerWeights(
         w_in,
         b_in,
-        stacked([m.weight for m in from_q]),
-        stacked([ffn.gate_proj.weight, ffn.up_proj.weight]),
+        w_qres,
+        mlp_gate_up,
         w_uk.contiguous(),
         w_uv.transpose(1, 2).contiguous(),
         [m.weight.shape[0] for m in into],
         [m.weight.shape[0] for m in from_q],
+        (in_scale, qres_scale, gate_up_scale),
+        head_weights[0].weight.detach() if head_weights else None,
     )
 
 
@@ -145,8 +187,8 @@ class FusedDecode:
     """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable.
 
     Two forms: the native layers (engine/decode/native.py: embedding to logits in one C++ call,
-    fp32 or bf16 weights, an fp32, bf16 or FP8 pool), and the Python layers below (fp32 weights
-    and pool only: the reference, and what `--enable-torch-compile` traces)."""
+    fp32, bf16 or block-FP8 weights, an fp32, bf16 or FP8 pool), and the Python layers below
+    (fp32 weights and pool only: the reference, and what `--enable-torch-compile` traces)."""
 
     def __init__(self, model: nn.Module, weights: list[LayerWeights], native=None) -> None:
         self.model = model
@@ -159,8 +201,8 @@ class FusedDecode:
     @classmethod
     def build(cls, model: nn.Module, native: bool = False,
               cache_dtype: torch.dtype = torch.float32) -> FusedDecode | None:  # fmt: skip
-        """None where neither form runs: the native one takes fp32 / bf16 weights and an fp32,
-        bf16 or FP8 (uint8) pool; the Python one fp32 weights and an fp32 pool."""
+        """None where neither form runs: the native one takes fp32 / bf16 / block-FP8 weights and an
+        fp32, bf16 or FP8 (uint8) pool; the Python one fp32 weights and an fp32 pool."""
         layers = model.model.layers[: model.config.num_hidden_layers]
         weights = [_fused_weights(layer) for layer in layers]
         if any(w is None for w in weights):

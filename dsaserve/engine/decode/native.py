@@ -45,9 +45,15 @@ def _small(t: torch.Tensor | None) -> torch.Tensor:
     return NONE if t is None else t.detach().float().contiguous()
 
 
-def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float]]:
-    """The tensors, ints and floats of one layer, in cpu_decode_layer.h's Slot / Int / Float
-    order. Matrices keep their dtype (fp32 or bf16: the native loops read either)."""
+def _scale(module: nn.Module | None, name: str = "weight") -> torch.Tensor | None:
+    """A block-FP8 weight's scale grid (`{name}_scale_inv`), or None for a float one."""
+    return getattr(module, f"{name}_scale_inv", None)
+
+
+def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list[int], list[float]]:
+    """The tensors, their scales, the ints and floats of one layer, in cpu_decode_layer.h's Slot /
+    Int / Float order. Matrices keep their dtype (fp32, bf16 or block FP8 with its scales: the
+    native loops read each as stored)."""
     attn: MLAttention = layer.self_attn
     mlp = layer.mlp
     moe = isinstance(mlp, MoE)
@@ -69,7 +75,15 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float
         _or_none(dense.down_proj.weight), _or_none(mlp.gate.weight if moe else None),
         router_bias, _or_none(mlp.experts.gate_up_proj if moe else None),
         _or_none(mlp.experts.down_proj if moe else None), k_norm_w, k_norm_b,
+        _or_none(weights.w_idx),
     ]  # fmt: skip
+    experts = mlp.experts if moe else None
+    in_scale, qres_scale, gate_up_scale = weights.scales
+    # by Slot: kWIn, kWQres, kWO, kMlpGateUp, kMlpDown, kExpGateUp, kExpDown (NONE elsewhere)
+    scaled = {1: in_scale, 4: qres_scale, 8: _scale(attn.o_proj), 11: gate_up_scale,
+              12: _scale(dense.down_proj), 15: _scale(experts, "gate_up_proj"),
+              16: _scale(experts, "down_proj")}  # fmt: skip
+    scales = [_or_none(scaled.get(slot)) for slot in range(len(tensors))]
     config = layer.mlp.gate if moe else None
     ints = [
         attn.layer_id, idx.cache_index if idx is not None else -1, attn.q_a_proj.weight.shape[0],
@@ -84,7 +98,7 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list[int], list[float
         layer.post_attention_layernorm.eps, idx.k_norm.eps if idx is not None else 1e-6,
         attn.scale, config.scaling if moe else 1.0,
     ]  # fmt: skip
-    return tensors, ints, [float(f) for f in floats]
+    return tensors, scales, ints, [float(f) for f in floats]
 
 
 def build(model: nn.Module, layers: list[nn.Module], weights: list) -> object | None:
@@ -97,5 +111,5 @@ def build(model: nn.Module, layers: list[nn.Module], weights: list) -> object | 
     norm = model.model.norm
     head = [_or_none(model.model.embed_tokens.weight), _small(norm.weight),
             _or_none(model.lm_head.weight)]  # fmt: skip
-    return module.DecodeLayers([f[0] for f in fields], [f[1] for f in fields],
-                               [f[2] for f in fields], head, float(norm.eps))  # fmt: skip
+    return module.DecodeLayers(*(list(column) for column in zip(*fields)), head,
+                               float(norm.eps))  # fmt: skip
