@@ -57,16 +57,13 @@ class Engine:
 
     def _init_shard(self, shard: Shard) -> None:
         """This rank's model and KV pool (engine/shard.py, as every follower builds its own)."""
-        self.model_config, self.device, self.dtype = shard.config, shard.device, shard.dtype
-        self.kernels, self.spec_steps = shard.kernels, shard.spec_steps
-        self.with_mtp, self.pool = shard.with_mtp, shard.pool
+        self.shard, self.model_config, self.pool = shard, shard.config, shard.pool
+        self.device, self.dtype, self.kernels = shard.device, shard.dtype, shard.kernels
+        self.with_mtp = shard.with_mtp
         self.fp8_ranks = shard.fp8_ranks  # every rank's FP8 report (FP8 checkpoints)
-        self.fp8_linears, self.fp8_experts = shard.fp8_kept.linears, shard.fp8_kept.expert_layers
-        self.routed_expert_bytes = shard.routed_expert_bytes  # this rank's
         self.kv_dtype = self.pool.kv_dtype  # the stored form
-        self.kv_bytes_per_token = shard.kv_bytes_per_token
         logger.info("KV pool: %d tokens in pages of %d (%d B/token)", self.pool.num_tokens,
-                    self.pool.page_size, self.kv_bytes_per_token)  # fmt: skip
+                    self.pool.page_size, shard.kv_bytes_per_token)  # fmt: skip
 
     def _init_admission(self, admission: Admission) -> None:
         self.admission = admission

@@ -10,7 +10,7 @@ import torch
 
 def report(engine: Any) -> dict:
     """`engine`: an `Engine` (engine/engine.py, which calls this for its `stats()`)."""
-    pool, cache = engine.pool, engine.cache
+    pool, cache, shard = engine.pool, engine.cache, engine.shard
     used_pages = pool.pages.num_pages - pool.pages.num_free - cache.evictable_pages
     prompt = engine.stats_counters["prompt_tokens"]
     return {
@@ -21,13 +21,13 @@ def report(engine: Any) -> dict:
         "kv_cached_tokens": cache.cached_pages * pool.page_size,
         "kv_free_pages": pool.pages.num_free,
         "kv_cache_dtype": engine.kv_dtype,
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token": shard.kv_bytes_per_token,
         "kernel_backends": dict(engine.kernels.names),
         "cpu_threads": torch.get_num_threads(),
         "decode_path": decode_path(engine),
-        "fp8_linears_kept": engine.fp8_linears,
-        "fp8_expert_layers_kept": engine.fp8_experts,
-        "routed_expert_bytes": engine.routed_expert_bytes,
+        "fp8_linears_kept": shard.fp8_kept.linears,
+        "fp8_expert_layers_kept": shard.fp8_kept.expert_layers,
+        "routed_expert_bytes": shard.routed_expert_bytes,
         "fp8_ranks": [rank.summary() for rank in engine.fp8_ranks],
         "cuda_graph": engine.graphs.stats() if engine.graphs is not None else None,
         "cache_hit_rate": engine.stats_counters["cached_tokens"] / prompt if prompt else 0.0,
