@@ -129,25 +129,21 @@ def _read_config(path: Path) -> dict:
     return raw
 
 
+# the fields a config.json must have, taken as they are (in the order a missing one is named)
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+            "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+            "num_experts_per_tok")  # fmt: skip
+
+
 def _normalise(model_type: str, raw: dict) -> dict:
     layers = raw["num_hidden_layers"]
     dense = min(raw.get("first_k_dense_replace", 3), layers)
     mlp_types = raw.get("mlp_layer_types") or ["dense"] * dense + ["sparse"] * (layers - dense)
     eos = raw.get("eos_token_id", [])
     return dict(
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        moe_intermediate_size=raw["moe_intermediate_size"],
+        **{name: raw[name] for name in REQUIRED},  # KeyError: _from_dict names the field
         num_hidden_layers=layers,
-        num_attention_heads=raw["num_attention_heads"],
-        q_lora_rank=raw["q_lora_rank"],
-        kv_lora_rank=raw["kv_lora_rank"],
-        qk_nope_head_dim=raw["qk_nope_head_dim"],
-        qk_rope_head_dim=raw["qk_rope_head_dim"],
-        v_head_dim=raw["v_head_dim"],
-        n_routed_experts=raw["n_routed_experts"],
-        num_experts_per_tok=raw["num_experts_per_tok"],
         n_shared_experts=raw.get("n_shared_experts") or 0,
         n_group=raw.get("n_group") or 1,
         topk_group=raw.get("topk_group") or 1,
