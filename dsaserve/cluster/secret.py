@@ -14,7 +14,6 @@ import hmac
 from typing import Any
 
 SECRET_ENV = "DSASERVE_CLUSTER_SECRET"
-SGLANG_SECRET_ENV = "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"
 SECRET_HINT = f"--cluster-secret (or ${SECRET_ENV})"
 
 

@@ -15,7 +15,6 @@ from typing import Any
 from dsaserve.assets import default_drafter_path, default_model_path
 from dsaserve.deploy.hardware import PlanError
 
-PRECISIONS = ("fp8", "bf16", "nvfp4", "fp32")
 DSA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
 

@@ -32,7 +32,6 @@ from dsaserve.engine.request import Req
 logger = logging.getLogger(__name__)
 # reject(rids, message, http status): refuse requests whose KV cannot arrive (API error shape)
 Reject = Callable[[list[str], str, int], None]
-IDLE_WAIT_MS = 5
 MAX_MESSAGES_PER_STEP = 4096  # the rest wait for the next step (a flood cannot stall one)
 
 

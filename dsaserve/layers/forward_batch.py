@@ -45,10 +45,6 @@ class ForwardBatch:
     index_cache: torch.Tensor  # [indexer layers, slots, index_head_dim]
     kernels: Kernels = field(default=DEFAULT_KERNELS)  # the backend of each hot op
 
-    @property
-    def decode_lens(self) -> torch.Tensor:
-        return self.decode_valid.sum(dim=1)
-
 
 def gather_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache[slots] for slots of any shape (index_select is several times faster on CPU)."""

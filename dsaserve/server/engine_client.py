@@ -70,10 +70,6 @@ class EngineClient:
     async def wait_ready(self) -> dict:
         return await self.ready
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.queues)
-
     async def submit(self, requests: list[GenerateRequest]) -> list[RequestStream]:
         """Send requests (admitted together or rejected together); one output stream each."""
         self._check_alive()
