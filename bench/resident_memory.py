@@ -61,12 +61,17 @@ def measure(folder: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def model_arguments(parser: argparse.ArgumentParser, json_name: str) -> None:
+    """The flags of a bench over these checkpoints: their depth, the repeats, where they go."""
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "dsaserve" / "bench")
-    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "resident.json")
+    parser.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / json_name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    model_arguments(parser, "resident.json")
     args = parser.parse_args()
     folders = checkpoints(args.cache, args.layers)
     rows = []

@@ -149,13 +149,17 @@ KERNELS = (
          "(dequantised on load; the static decode path's gathered / dense forms) or `triton` "
          "(grouped GEMMs, `kernels/triton_moe.py`; an FP8 checkpoint's experts kept FP8 and run "
          "by it in prefill and decode, on every rank under `--tp` / `--ep` where the rank's "
-         "slice of I is a multiple of 128); auto = triton on CUDA; `deep_gemm`: the DeepGEMM "
-         "adapter on CUDA where it imports (never run), else triton; other SGLang names run "
-         "triton on CUDA; refused on CPU"),
+         "slice of I is a multiple of 128); auto = triton on CUDA, on CPU the `cpu` ops (an "
+         "FP8 checkpoint's experts kept FP8: read as stored by the native decode, one busy "
+         "expert dequantised at a time elsewhere, `kernels/cpu_fp8.py`); `deep_gemm`: the "
+         "DeepGEMM adapter on CUDA where it imports (never run), else triton; other SGLang "
+         "names run triton on CUDA; refused on CPU"),
     flag("--fp8-gemm-backend", choices=list(FP8_GEMM_BACKENDS), help="block-FP8 Linears: "
          "`torch` (dequantised on load) or `triton` (weights kept FP8, each rank its slice "
-         "where it falls on 128-blocks; auto on CUDA); `deep_gemm`: the DeepGEMM adapter on "
-         "CUDA where `deep_gemm` imports (never run), else triton; refused on CPU"),
+         "where it falls on 128-blocks; auto on CUDA); auto on CPU: the `cpu` op (kept FP8: "
+         "the native decode reads e4m3 + scales, the layered path dequantises 1024 rows at a "
+         "time); `deep_gemm`: the DeepGEMM adapter on CUDA where `deep_gemm` imports (never "
+         "run), else triton; refused on CPU"),
     flag("--disable-cuda-graph", **ON, help="run decode steps eagerly on CUDA (CPU never "
          "captures)"),
     flag("--cuda-graph-max-bs", type=int, default="the running-request limit, at most 256",
