@@ -81,19 +81,20 @@ inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
 
-// 16 e4m3 bytes -> 16 floats times 2^-8 (see e4m3_to_float).
+// 16 e4m3 bytes (as 16-bit words) -> 16 floats times 2^-8 (see e4m3_to_float): the byte moved
+// to the high half, then one arithmetic shift right puts sign | exponent | mantissa where a half
+// float has them (the copy of the sign it leaves in bit 14 cleared). Exact for every value.
+inline __m512 e4m3_words_scaled(__m256i words) {
+  const __m256i high = _mm256_srai_epi16(_mm256_slli_epi16(words, 8), 1);
+  return _mm512_cvtph_ps(_mm256_and_si256(high, _mm256_set1_epi16(static_cast<int16_t>(0xBFFF))));
+}
+
 inline __m512 load_e4m3_scaled(const uint8_t* p) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+  return e4m3_words_scaled(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 inline __m512 load_e4m3_scaled(const uint8_t* p, __mmask16 m) {
-  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
-  const __m256i mag = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7);
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+  return e4m3_words_scaled(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p)));
 }
 
 // One fixed tree: lanes i + 8, then + 4, + 2, + 1.
