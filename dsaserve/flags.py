@@ -150,8 +150,9 @@ KERNELS = (
          "(grouped GEMMs, `kernels/triton_moe.py`; an FP8 checkpoint's experts kept FP8 and run "
          "by it in prefill and decode, on every rank under `--tp` / `--ep` where the rank's "
          "slice of I is a multiple of 128); auto = triton on CUDA, on CPU the `cpu` ops (an "
-         "FP8 checkpoint's experts kept FP8: read as stored by the native decode, one busy "
-         "expert dequantised at a time elsewhere, `kernels/cpu_fp8.py`); `deep_gemm`: the "
+         "FP8 checkpoint's experts kept FP8, an NVFP4 one's kept 4-bit on one rank: read as "
+         "stored by the native decode, one busy expert dequantised at a time elsewhere, "
+         "`kernels/cpu_fp8.py`); `deep_gemm`: the "
          "DeepGEMM adapter on CUDA where it imports (never run), else triton; other SGLang "
          "names run triton on CUDA; refused on CPU"),
     flag("--fp8-gemm-backend", choices=list(FP8_GEMM_BACKENDS), help="block-FP8 Linears: "

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tiny_models import load_reference
 
 from dsaserve import LLM
-from dsaserve.models.nvfp4 import dequantize_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
+from dsaserve.kernels.nvfp4 import dequantize_nvfp4, pack_e2m1, quantize_nvfp4, unpack_e2m1
 
 ROOT = Path(__file__).resolve().parents[1]
 

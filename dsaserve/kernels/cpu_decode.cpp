@@ -54,10 +54,10 @@ Rows pool_rows(const Tensor& cache, int64_t layer, int64_t width, int64_t rank) 
 class DecodeLayers {
  public:
   DecodeLayers(std::vector<std::vector<Tensor>> tensors, std::vector<std::vector<Tensor>> scales,
-               std::vector<std::vector<int64_t>> ints, std::vector<std::vector<double>> floats,
-               std::vector<Tensor> head, double norm_eps) {
+               std::vector<std::vector<Tensor>> row_scales, std::vector<std::vector<int64_t>> ints,
+               std::vector<std::vector<double>> floats, std::vector<Tensor> head, double norm_eps) {
     for (size_t l = 0; l < tensors.size(); ++l)
-      layers_.emplace_back(tensors[l], scales[l], ints[l], floats[l]);
+      layers_.emplace_back(tensors[l], scales[l], row_scales[l], ints[l], floats[l]);
     head_ = Head(head, norm_eps);
   }
 
@@ -239,6 +239,7 @@ Tensor store_rows(const Tensor& x, const Tensor& like, int64_t rank) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<dsa::DecodeLayers>(m, "DecodeLayers")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>,
+                          std::vector<std::vector<torch::Tensor>>,
                           std::vector<std::vector<torch::Tensor>>,
                           std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>,
                           std::vector<torch::Tensor>, double>())

@@ -27,7 +27,8 @@ namespace dsa {
 using torch::Tensor;
 
 // The order of a layer's tensors, ints and floats (engine/decode/native.py layer_fields); its
-// scales are a second tensor list in Slot order (an FP8 weight's, empty for the others).
+// scales are two more tensor lists in Slot order (an FP8 weight's grid, or an NVFP4 one's group
+// scales and then its row scales; empty for the others).
 enum Slot {
   kInNorm, kWIn, kBIn, kQaNorm, kWQres, kKvNorm, kWUkT, kWUv, kWO, kBO, kPostNorm, kMlpGateUp,
   kMlpDown, kRouter, kRouterBias, kExpGateUp, kExpDown, kIdxNormW, kIdxNormB, kWIdx, kNumSlots
@@ -38,19 +39,32 @@ enum Int {
 };
 enum Float { kInEps, kQaEps, kKvEps, kPostEps, kIdxEps, kScale, kScaling, kNumFloats };
 
-// Weight `t` (matrix `index` of a stack of them), with its scale grid where it is FP8.
-inline Mat mat(const Tensor& t, const Tensor& scale = {}, int64_t index = -1) {
+// Weight `t` (matrix `index` of a stack of them), with its scale grid where it is FP8, or its
+// e4m3 group scales and per-row global scales (`scale2`) where it is NVFP4 (uint8 codes).
+inline Mat mat(const Tensor& t, const Tensor& scale = {}, int64_t index = -1,
+               const Tensor& scale2 = {}) {
   Mat m;
   if (!t.defined() || t.numel() == 0) return m;
   const auto type = t.scalar_type();
   TORCH_CHECK(t.is_contiguous() && (type == torch::kFloat || type == torch::kBFloat16 ||
-                                    type == torch::kFloat8_e4m3fn),
-              "native decode weights: contiguous fp32, bf16 or float8_e4m3fn");
+                                    type == torch::kFloat8_e4m3fn || type == torch::kByte),
+              "native decode weights: contiguous fp32, bf16, float8_e4m3fn or NVFP4 codes");
   m.rows = t.size(-2);
   m.cols = t.size(-1);
   m.kind = type == torch::kBFloat16 ? kBF16 : type == torch::kFloat8_e4m3fn ? kFP8 : kF32;
-  const int64_t offset = index < 0 ? 0 : index * m.rows * m.cols;
-  m.data = static_cast<const uint8_t*>(t.data_ptr()) + offset * t.element_size();
+  const int64_t at = index < 0 ? 0 : index * m.rows;  // the first row of matrix `index`
+  m.data = static_cast<const uint8_t*>(t.data_ptr()) + at * m.cols * t.element_size();
+  if (type == torch::kByte) {
+    m.kind = kNVFP4;
+    m.cols *= 2;
+    TORCH_CHECK(m.cols % 16 == 0 && scale.defined() &&
+                scale.scalar_type() == torch::kFloat8_e4m3fn && scale.size(-1) == m.cols / 16 &&
+                scale.size(-2) == m.rows && scale2.defined() &&
+                scale2.scalar_type() == torch::kFloat && scale2.numel() == scale.numel() / scale.size(-1),
+                "an NVFP4 weight needs its e4m3 [rows, cols / 16] and fp32 [rows] scales");
+    m.scale8 = static_cast<const uint8_t*>(scale.data_ptr()) + at * (m.cols / 16);
+    m.scale2 = scale2.data_ptr<float>() + at;
+  }
   if (m.kind == kFP8) {
     TORCH_CHECK(scale.defined() && scale.scalar_type() == torch::kFloat && scale.is_contiguous(),
                 "an FP8 weight needs its fp32 scale grid");
@@ -109,11 +123,11 @@ struct Ctx {
 };
 
 struct Layer {
-  Layer(const std::vector<Tensor>& t, const std::vector<Tensor>& sc, const std::vector<int64_t>& i,
-        const std::vector<double>& f)
-      : t_(t), sc_(sc), f_(f) {
-    TORCH_CHECK(t.size() == kNumSlots && sc.size() == kNumSlots && i.size() == kNumInts &&
-                f.size() == kNumFloats, "layer fields");
+  Layer(const std::vector<Tensor>& t, const std::vector<Tensor>& sc, const std::vector<Tensor>& sc2,
+        const std::vector<int64_t>& i, const std::vector<double>& f)
+      : t_(t), sc_(sc), sc2_(sc2), f_(f) {
+    TORCH_CHECK(t.size() == kNumSlots && sc.size() == kNumSlots && sc2.size() == kNumSlots &&
+                i.size() == kNumInts && f.size() == kNumFloats, "layer fields");
     layer_id = i[kLayerId], index_cache = i[kIndexCache], q_lora = i[kQLora], rank = i[kRank];
     rope = i[kRope], idx_dim = i[kIdxDim], idx_heads = i[kIdxHeads], heads = i[kHeads];
     nope = i[kNope], v = i[kV], interleave = i[kIdxInterleave] != 0, topk = i[kTopk];
@@ -125,8 +139,8 @@ struct Layer {
     router = mat(t[kRouter]);
     experts = t[kExpGateUp].defined() && t[kExpGateUp].numel() ? t[kExpGateUp].size(0) : 0;
     for (int64_t e = 0; e < experts; ++e) {
-      exp_gate_up.push_back(mat(t[kExpGateUp], sc[kExpGateUp], e));
-      exp_down.push_back(mat(t[kExpDown], sc[kExpDown], e));
+      exp_gate_up.push_back(mat(t[kExpGateUp], sc[kExpGateUp], e, sc2[kExpGateUp]));
+      exp_down.push_back(mat(t[kExpDown], sc[kExpDown], e, sc2[kExpDown]));
     }
     in_norm = f32(t[kInNorm]), qa_norm = f32(t[kQaNorm]), kv_norm = f32(t[kKvNorm]);
     post_norm = f32(t[kPostNorm]), idx_norm_w = f32(t[kIdxNormW]), idx_norm_b = f32(t[kIdxNormB]);
@@ -144,7 +158,7 @@ struct Layer {
   Mat w_in, w_idx, w_qres, w_o, mlp_gate_up, mlp_down, router, w_uk_t, w_uv;
   std::vector<Mat> exp_gate_up, exp_down;
   const float *in_norm, *qa_norm, *kv_norm, *post_norm, *idx_norm_w, *idx_norm_b, *router_bias;
-  std::vector<Tensor> t_, sc_;  // keep the weights and scales alive
+  std::vector<Tensor> t_, sc_, sc2_;  // keep the weights and scales alive
   std::vector<double> f_;
 
  private:

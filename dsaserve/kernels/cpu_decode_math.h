@@ -70,6 +70,19 @@ inline float e4m3_to_float(uint8_t v) {
   return v & 0x80 ? -mag : mag;
 }
 
+// Every e4m3 byte's value (NVFP4 scales are read one a group: a lookup, not a decode).
+inline const float* e4m3_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int v = 0; v < 256; ++v) t[v] = e4m3_to_float(static_cast<uint8_t>(v));
+    return t;
+  }();
+  return table.data();
+}
+
+constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
 #if defined(__AVX512F__)
 inline __m512 load_bf16(const uint16_t* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -95,6 +108,15 @@ inline __m512 load_e4m3_scaled(const uint8_t* p) {
 
 inline __m512 load_e4m3_scaled(const uint8_t* p, __mmask16 m) {
   return e4m3_words_scaled(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p)));
+}
+
+// 8 bytes of e2m1 codes -> their 16 values, low nibble first (a 16-entry table lookup).
+inline __m512 load_e2m1(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(low, high));
+  return _mm512_permutexvar_ps(codes, _mm512_loadu_ps(kE2M1));
 }
 
 // One fixed tree: lanes i + 8, then + 4, + 2, + 1.
@@ -137,7 +159,10 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // of several weights were stacked: one scale row per weight row). The FP8 value is made in
 // registers as e4m3 * scale in fp32, one rounding, as `dequantize_block_fp8` makes it, so a dot
 // over FP8 weights is the dot over the dequantised fp32 weights, bit for bit.
-enum Kind { kF32, kBF16, kFP8 };
+// Or NVFP4 (models/nvfp4.py): e2m1 codes, two a byte (element 2i in the low nibble), each 16 of a
+// row times its e4m3 scale times the row's global scale: code * (float(scale8) * scale2[row]),
+// made as the loader's dequantisation makes it.
+enum Kind { kF32, kBF16, kFP8, kNVFP4 };
 
 struct Mat {
   const void* data = nullptr;
@@ -145,12 +170,19 @@ struct Mat {
   Kind kind = kF32;
   const float* scale = nullptr;
   int64_t scale_rows = 128, scale_cols = 0;
+  const uint8_t* scale8 = nullptr;  // NVFP4: e4m3 [rows, cols / 16]
+  const float* scale2 = nullptr;  // NVFP4: [rows]
   const float* bias = nullptr;
   int64_t elem_bytes() const { return kind == kFP8 ? 1 : kind == kBF16 ? 2 : 4; }
   const float* scales_of(int64_t row) const { return scale + row / scale_rows * scale_cols; }
+  float group_scale(int64_t row, int64_t col) const;
 };
 
 constexpr int64_t kScaleBlock = 128;  // the columns one FP8 scale covers
+
+inline float Mat::group_scale(int64_t row, int64_t col) const {
+  return e4m3_values()[scale8[row * (cols / 16) + col / 16]] * scale2[row];
+}
 
 #if defined(__AVX512F__)
 // One block: OB weight rows (from o) x TB input rows (from t), OB x TB accumulators in registers
@@ -168,6 +200,9 @@ void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, floa
       if constexpr (K == kBF16) {
         const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
         wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
+      } else if constexpr (K == kNVFP4) {  // 16 columns: one group, one scale (cols % 16 == 0)
+        const uint8_t* wr = static_cast<const uint8_t*>(w.data) + ((o + a) * cols + i) / 2;
+        wv[a] = _mm512_mul_ps(load_e2m1(wr), _mm512_set1_ps(w.group_scale(o + a, i)));
       } else if constexpr (K == kFP8) {
         const uint8_t* wr = static_cast<const uint8_t*>(w.data) + (o + a) * cols + i;
         if (i % kScaleBlock == 0)  // 2^8 undoes load_e4m3_scaled's 2^-8 (exact)
@@ -213,6 +248,10 @@ inline const float* weight_row(const Mat& w, int64_t o, std::vector<float>& row)
   if (w.kind == kBF16) {
     const uint16_t* wb = static_cast<const uint16_t*>(w.data) + o * cols;
     for (int64_t i = 0; i < cols; ++i) row[i] = bf16_to_float(wb[i]);
+  } else if (w.kind == kNVFP4) {
+    const uint8_t* wb = static_cast<const uint8_t*>(w.data) + o * cols / 2;
+    for (int64_t i = 0; i < cols; ++i)
+      row[i] = kE2M1[(wb[i / 2] >> (4 * (i % 2))) & 0xF] * w.group_scale(o, i);
   } else {
     const uint8_t* wb = static_cast<const uint8_t*>(w.data) + o * cols;
     const float* scale = w.scales_of(o);
@@ -253,6 +292,7 @@ inline void linear_rows(const float* const* x, int64_t rows, const Mat& w, int64
   switch (w.kind) {
     case kBF16: linear_block<kBF16>(x, rows, w, o0, o1, y); break;
     case kFP8: linear_block<kFP8>(x, rows, w, o0, o1, y); break;
+    case kNVFP4: linear_block<kNVFP4>(x, rows, w, o0, o1, y); break;
     default: linear_block<kF32>(x, rows, w, o0, o1, y); break;
   }
 }

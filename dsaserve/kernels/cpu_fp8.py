@@ -1,12 +1,14 @@
-"""Block-FP8 weights kept as stored on CPU: the `cpu` backend of the `fp8_gemm` and `moe` ops.
+"""Quantised weights kept as stored on CPU: the `cpu` backend of the `fp8_gemm` and `moe` ops.
 
-On CPU, `auto` keeps a 128x128 block-FP8 checkpoint's quantised Linears and routed experts e4m3
-(models/fp8_keep.py), so resident weight bytes are the checkpoint's. The native decode reads them
+On CPU, `auto` keeps a 128x128 block-FP8 checkpoint's quantised Linears and routed experts e4m3,
+and an NVFP4 checkpoint's routed experts e2m1 (one rank; models/fp8_keep.py), so resident weight
+bytes are the checkpoint's. The native decode reads them
 as stored, dequantising in registers (kernels/cpu_decode_math.h). The layered path (prefill,
 mixed batches, the layouts the native decode does not run) comes here, and dequantises a tile at
 a time into a transient: a block of `ROWS` weight rows, or one busy expert, in the activations'
 dtype. Those values are the ones `--fp8-gemm-backend torch` / `--moe-runner-backend torch` make
-once at load (`dequantize_block_fp8(...).to(dtype)`), so the two agree to the GEMMs' rounding.
+once at load (`dequantize_block_fp8(...)`, or NVFP4's e2m1 * (scale * scale_2), then `.to(dtype)`),
+so the two agree to the GEMMs' rounding.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.kernels.block_fp8 import FP8_DTYPE, KEPT_BLOCK, dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import KEPT_BLOCK, dequantize_block_fp8
+from dsaserve.kernels.nvfp4 import GROUP, unpack_e2m1
 from dsaserve.kernels.static_moe import static_experts
 
 ROWS = 8 * KEPT_BLOCK  # weight rows dequantised at a time
@@ -33,11 +36,11 @@ def fp8_linear(x: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tensor,
     return torch.cat(parts, dim=-1)
 
 
-def fp8_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]): FP8 experts one busy expert at a time
-    (index -1: another rank's, left out); float ones as the torch op."""
-    if experts.gate_up_proj.dtype != FP8_DTYPE:
+def kept_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """sum_j weights[t, j] * expert_{index[t, j]}(x[t]): FP8 or NVFP4 experts one busy expert at
+    a time (index -1: another rank's, left out); float ones as the torch op."""
+    if experts.gate_up_proj.dtype.is_floating_point and experts.gate_up_proj.itemsize > 1:
         return static_experts(experts, x, index, weights)
     flat, scale = index.reshape(-1), weights.reshape(-1)
     token_of = torch.arange(flat.numel()) // index.shape[1]
@@ -52,5 +55,10 @@ def fp8_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
 
 
 def _expert(experts: nn.Module, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
-    w8, scale = getattr(experts, name)[expert], getattr(experts, f"{name}_scale_inv")[expert]
-    return dequantize_block_fp8(w8, scale).to(dtype)
+    stored = getattr(experts, name)[expert]
+    if stored.dtype == torch.uint8:  # NVFP4: e2m1 * (scale * each row's scale_2)
+        values = unpack_e2m1(stored).unflatten(-1, (-1, GROUP))
+        scale = getattr(experts, f"{name}_scale")[expert].float()[..., None]  # [rows, in/16, 1]
+        scale_2 = getattr(experts, f"{name}_scale_2")[expert][..., None]  # [rows, 1, 1]
+        return (values * (scale * scale_2)).flatten(-2).to(dtype)
+    return dequantize_block_fp8(stored, getattr(experts, f"{name}_scale_inv")[expert]).to(dtype)

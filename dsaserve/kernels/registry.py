@@ -54,7 +54,7 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "kv_store": {TORCH: "dsaserve.kernels.kv_quant:KV_STORE"},
     "moe": {
         TORCH: "dsaserve.kernels.static_moe:static_experts",
-        CPU: "dsaserve.kernels.cpu_fp8:fp8_experts",
+        CPU: "dsaserve.kernels.cpu_fp8:kept_experts",
         TRITON: "dsaserve.kernels.triton_moe:grouped_experts",
         DEEP_GEMM: "dsaserve.kernels.deep_gemm_adapter:grouped_experts",
     },

@@ -23,6 +23,7 @@ from torch import nn
 from dsaserve.kernels.block_fp8 import KEPT_BLOCK, SCALE_SUFFIX
 from dsaserve.layers.fp8_experts import expert_bytes, keep_fp8_experts
 from dsaserve.layers.fp8_linear import keep_fp8
+from dsaserve.layers.nvfp4_experts import keep_nvfp4_experts
 from dsaserve.models.checkpoint_files import fp8_block_size
 from dsaserve.models.load_targets import FP8_DTYPES
 
@@ -36,6 +37,7 @@ MODULUS = 65521
 class KeptFp8:
     linears: int = 0
     expert_layers: int = 0
+    nvfp4_expert_layers: int = 0
 
 
 @dataclass
@@ -53,8 +55,12 @@ class RankReport:
 
 def keep_fp8_weights(model: nn.Module, quantization: str | None, names: dict[str, str],
                      kernels: Any, model_path: str) -> KeptFp8:  # fmt: skip
-    """Swap this rank's quantised Linears / routed experts for their FP8 forms (before load)."""
+    """Swap this rank's quantised Linears / routed experts for their FP8 forms (before load);
+    an NVFP4 checkpoint's routed experts for their NVFP4 form where the `moe` op is the CPU one."""
     kept = KeptFp8()
+    if quantization == "modelopt" and names["moe"] == "cpu":
+        kept.nvfp4_expert_layers = keep_nvfp4_experts(model, kernels.moe)
+        return kept
     if quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":
         return kept
     if fp8_block_size(Path(model_path)) != (KEPT_BLOCK, KEPT_BLOCK):

@@ -12,7 +12,7 @@ from dsaserve.kernels.block_fp8 import SCALE_SUFFIX
 from dsaserve.models.checkpoint_files import CheckpointError
 from dsaserve.models.fp8 import FUSED_EXPERTS_RE
 
-FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias")
+FP32_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.e_score_correction_bias", "_proj_scale_2")
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -55,7 +55,7 @@ def collect_targets(model: nn.Module, dtype: torch.dtype) -> dict[str, Target]:
             target.owners.append((module, attr))
             if name.endswith(FP32_SUFFIXES) or name.endswith(SCALE_SUFFIX):
                 target.dtype = torch.float32
-            if tensor.dtype in FP8_DTYPES:
+            if tensor.dtype in (*FP8_DTYPES, torch.uint8):  # kept FP8, or NVFP4 codes
                 target.dtype = tensor.dtype
             by_name[name] = target
     return by_name
@@ -99,7 +99,8 @@ def missing_name(target: Target) -> str | None:
     """A name to report if `target` was not (fully) written, else None."""
     if target.filled:
         return None
-    suffix = SCALE_SUFFIX if target.names[0].endswith(SCALE_SUFFIX) else ""  # FP8 experts' scales
+    scales = (SCALE_SUFFIX, "_scale", "_scale_2")  # FP8 experts' scales, NVFP4 experts' ones
+    suffix = next((s for s in scales if target.names[0].endswith(s)), "")
     fused = FUSED_EXPERTS_RE.match(target.names[0].removesuffix(suffix))
     fused = fused or next((m for m in map(FUSED_EXPERTS_RE.match, target.names) if m), None)
     if fused is None or target.tensor.dim() != 3:

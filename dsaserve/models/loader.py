@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from dsaserve.kernels.block_fp8 import SCALE_SUFFIX, dequantize_block_fp8
+from dsaserve.kernels.nvfp4 import SCALE, SCALE_2
 from dsaserve.models.checkpoint_files import (
     CheckpointError,
     find_checkpoint_files,
@@ -125,6 +126,8 @@ class _Loader:
             self._place_whole(name, target, tensor)
         elif fused.dtype in FP8_DTYPES:  # experts kept FP8 (layers/fp8_experts)
             self._place_fp8_expert(name, handle, file, expert, fused)
+        elif fused.dtype == torch.uint8:  # experts kept NVFP4 (layers/nvfp4_experts)
+            self._place_nvfp4_expert(name, handle, file, expert, fused)
         else:
             pieces = self._expert_pieces(handle, name, fused, expert)
             tensor = torch.cat([self._read(name, handle, file, device, p) for p in pieces], 0)
@@ -149,6 +152,21 @@ class _Loader:
             (piece,) = self._expert_pieces(other, scale_name, scales, expert)
             scale = self._read(scale_name, other, where, None, piece, True)
         self._place_expert(scale_name, expert, scales, scale)
+
+    def _place_nvfp4_expert(self, name, handle, file: Path, expert, target: Target) -> None:
+        """One expert's e2m1 codes, e4m3 scales and global scale (a scalar, given to each of
+        its rows), as stored, into the fused tensors (layers/nvfp4_experts.py)."""
+        if handle.get_slice(name).get_dtype() != "U8" or name + SCALE not in self.locations:
+            raise CheckpointError(f"expert tensor {name} in {file} is not NVFP4; the model "
+                                  "keeps it NVFP4")  # fmt: skip
+        self._place_expert(name, expert, target, get_tensor(handle, name, file))
+        for suffix in (SCALE, SCALE_2):
+            part = self._sibling(name + suffix, handle, file)
+            scales = self.targets[target.names[0] + suffix]
+            if suffix == SCALE_2:  # the expert's one global scale, on each of its rows
+                rows = target.tensor.shape[1] // (1 if expert["proj"] == "down_proj" else 2)
+                part = part.float().reshape(1, 1).expand(rows, 1)
+            self._place_expert(name + suffix, expert, scales, part)
 
     def _read_target(self, name, handle, file, device, target: Target, raw: bool) -> torch.Tensor:
         """The target's slice (all of it without a shard), zero-padded to the local shape."""

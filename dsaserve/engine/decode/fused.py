@@ -105,7 +105,7 @@ def _native_dtypes(groups: list[list[nn.Module]], linears: list[nn.Module], expe
     dtypes = {m.weight.dtype for m in linears}
     if experts is not None:
         dtypes.add(experts.down_proj.dtype)
-    floats = dtypes - {FP8_DTYPE}
+    floats = dtypes - {FP8_DTYPE, torch.uint8}  # uint8: NVFP4 experts' codes
     return len(floats) <= 1 and floats <= set(NATIVE_DTYPES)
 
 

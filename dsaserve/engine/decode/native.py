@@ -46,14 +46,15 @@ def _small(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def _scale(module: nn.Module | None, name: str = "weight") -> torch.Tensor | None:
-    """A block-FP8 weight's scale grid (`{name}_scale_inv`), or None for a float one."""
-    return getattr(module, f"{name}_scale_inv", None)
+    """A block-FP8 weight's scale grid (`{name}_scale_inv`), an NVFP4 one's group scales
+    (`{name}_scale`), or None for a float one."""
+    return getattr(module, f"{name}_scale_inv", getattr(module, f"{name}_scale", None))
 
 
-def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list[int], list[float]]:
-    """The tensors, their scales, the ints and floats of one layer, in cpu_decode_layer.h's Slot /
-    Int / Float order. Matrices keep their dtype (fp32, bf16 or block FP8 with its scales: the
-    native loops read each as stored)."""
+def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list, list[int], list[float]]:
+    """The tensors, their scales and row scales, the ints and floats of one layer, in
+    cpu_decode_layer.h's Slot / Int / Float order. Matrices keep their dtype (fp32, bf16, block
+    FP8 or NVFP4 with their scales: the native loops read each as stored)."""
     attn: MLAttention = layer.self_attn
     mlp = layer.mlp
     moe = isinstance(mlp, MoE)
@@ -84,6 +85,9 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list[int], list
               12: _scale(dense.down_proj), 15: _scale(experts, "gate_up_proj"),
               16: _scale(experts, "down_proj")}  # fmt: skip
     scales = [_or_none(scaled.get(slot)) for slot in range(len(tensors))]
+    rowed = {15: getattr(experts, "gate_up_proj_scale_2", None),
+             16: getattr(experts, "down_proj_scale_2", None)}  # NVFP4: each row's global scale
+    row_scales = [_or_none(rowed.get(slot)) for slot in range(len(tensors))]
     config = layer.mlp.gate if moe else None
     ints = [
         attn.layer_id, idx.cache_index if idx is not None else -1, attn.q_a_proj.weight.shape[0],
@@ -98,7 +102,7 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list[int], list
         layer.post_attention_layernorm.eps, idx.k_norm.eps if idx is not None else 1e-6,
         attn.scale, config.scaling if moe else 1.0,
     ]  # fmt: skip
-    return tensors, scales, ints, [float(f) for f in floats]
+    return tensors, scales, row_scales, ints, [float(f) for f in floats]
 
 
 def build(model: nn.Module, layers: list[nn.Module], weights: list) -> object | None:
