@@ -3,10 +3,11 @@
 Builds once (cached under --cache) a random bf16 model of GLM-5.3's shape at reduced width and
 depth (hidden 1536, the first layer dense with intermediate 4096, then MoE layers of 48 routed
 experts of 512, top-8, one shared expert; 16 heads, q_lora 768, kv_lora 512; the indexer at 16
-heads x 128 dims, top-2048) and its block-FP8 copy (scripts/quantize_fp8.py). For each
-checkpoint, in a fresh process each: the process's resident memory with torch and dsaserve
-imported (the floor), then after `LLM(...)` built the engine; the engine's share is the
-difference, against its parameters' bytes plus its KV pool's.
+heads x 128 dims, top-2048), its block-FP8 copy (scripts/quantize_fp8.py) and its NVFP4 copy
+(routed experts 4-bit, scripts/quantize_nvfp4.py). For each checkpoint, in a fresh process each:
+the process's resident memory with torch and dsaserve imported (the floor), then after `LLM(...)`
+built the engine; the engine's share is the difference, against its parameters' bytes plus its
+KV pool's.
 
     python bench/resident_memory.py [--layers 6] [--repeats 2]
 """
@@ -52,7 +53,11 @@ def checkpoints(cache: Path, layers: int) -> dict[str, Path]:
     if not (fp8 / "config.json").is_file():
         subprocess.run([sys.executable, str(ROOT / "scripts" / "quantize_fp8.py"), str(bf16),
                         str(fp8)], check=True)  # fmt: skip
-    return {"bf16": bf16, "block-FP8": fp8}
+    nvfp4 = cache / f"nvfp4-{layers}"
+    if not (nvfp4 / "config.json").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "quantize_nvfp4.py"), str(bf16),
+                        str(nvfp4)], check=True)  # fmt: skip
+    return {"bf16": bf16, "block-FP8": fp8, "NVFP4": nvfp4}
 
 
 def measure(folder: Path) -> dict:

@@ -1,12 +1,13 @@
-"""Batch-1 CPU decode of a bf16 checkpoint against its block-FP8 copy, kept FP8 (native path).
+"""Batch-1 CPU decode of one model in the precisions it ships: bf16, block FP8, NVFP4 (native path).
 
 The checkpoints are bench/resident_memory.py's (GLM-5.3's shape at reduced width and depth,
-cached). Each run is a fresh process: a 512-token prompt, then `--tokens` greedy decode steps;
-the decode rate is (tokens - 1) / (time of the whole request - time of a 1-token request), so
-prefill is left out. Runs alternate bf16 / FP8, `--repeats` times, at each `--threads`.
-The FP8 engine reads half the weight bytes a token; this says what that buys.
+cached; the FP8 one kept FP8, the NVFP4 one's routed experts kept 4-bit). Each run is a fresh
+process: a 512-token prompt, then `--tokens` greedy decode steps; the decode rate is
+(tokens - 1) / (time of the whole request - time of a 1-token request), so prefill is left out.
+Runs alternate the checkpoints, `--repeats` times, at each `--threads`. The FP8 engine reads
+about half the weight bytes a token of the bf16 one; this says what that buys.
 
-    python bench/cpu_fp8_decode.py [--layers 6] [--threads 1 2] [--repeats 2] [--tokens 48]
+    python bench/cpu_precisions.py [--layers 6] [--threads 1 2] [--repeats 2] [--tokens 48]
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def measure(folder: Path, threads: int, tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    model_arguments(parser, "cpu_fp8.json")
+    model_arguments(parser, "cpu_precisions.json")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
