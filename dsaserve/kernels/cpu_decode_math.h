@@ -185,6 +185,15 @@ inline float Mat::group_scale(int64_t row, int64_t col) const {
 }
 
 #if defined(__AVX512F__)
+// The scales of NVFP4 row `row`'s 16 groups from column `col`: e4m3 * 2^-8 times scale2 * 2^8,
+// so float(scale) * scale2 with one rounding, as group_scale and the loader make it.
+inline __m512 group_scales(const Mat& w, int64_t row, int64_t col) {
+  const int64_t groups = w.cols / 16, first = col / 16;
+  const __mmask16 m = static_cast<__mmask16>((1u << std::min<int64_t>(16, groups - first)) - 1);
+  const __m512 raw = load_e4m3_scaled(w.scale8 + row * groups + first, m);
+  return _mm512_mul_ps(raw, _mm512_set1_ps(w.scale2[row] * 256.0f));
+}
+
 // One block: OB weight rows (from o) x TB input rows (from t), OB x TB accumulators in registers
 // (the block sizes are template arguments so that the compiler keeps them there).
 template <Kind K, int OB, int TB>
@@ -201,8 +210,10 @@ void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, floa
         const uint16_t* wr = static_cast<const uint16_t*>(w.data) + (o + a) * cols + i;
         wv[a] = masked ? load_bf16(wr, m) : load_bf16(wr);
       } else if constexpr (K == kNVFP4) {  // 16 columns: one group, one scale (cols % 16 == 0)
+        if (i % (16 * 16) == 0) scale[a] = group_scales(w, o + a, i);
         const uint8_t* wr = static_cast<const uint8_t*>(w.data) + ((o + a) * cols + i) / 2;
-        wv[a] = _mm512_mul_ps(load_e2m1(wr), _mm512_set1_ps(w.group_scale(o + a, i)));
+        const __m512 s = _mm512_permutexvar_ps(_mm512_set1_epi32((i / 16) % 16), scale[a]);
+        wv[a] = _mm512_mul_ps(load_e2m1(wr), s);
       } else if constexpr (K == kFP8) {
         const uint8_t* wr = static_cast<const uint8_t*>(w.data) + (o + a) * cols + i;
         if (i % kScaleBlock == 0)  // 2^8 undoes load_e4m3_scaled's 2^-8 (exact)
