@@ -2,13 +2,13 @@
 
 On CPU, `auto` keeps a 128x128 block-FP8 checkpoint's quantised Linears and routed experts e4m3,
 and an NVFP4 checkpoint's routed experts e2m1 (one rank; models/fp8_keep.py), so resident weight
-bytes are the checkpoint's. The native decode reads them
-as stored, dequantising in registers (kernels/cpu_decode_math.h). The layered path (prefill,
-mixed batches, the layouts the native decode does not run) comes here, and dequantises a tile at
-a time into a transient: a block of `ROWS` weight rows, or one busy expert, in the activations'
-dtype. Those values are the ones `--fp8-gemm-backend torch` / `--moe-runner-backend torch` make
-once at load (`dequantize_block_fp8(...)`, or NVFP4's e2m1 * (scale * scale_2), then `.to(dtype)`),
-so the two agree to the GEMMs' rounding.
+bytes are the checkpoint's. The native decode reads them as stored, dequantising in registers
+(kernels/cpu_decode_math.h). The layered path (prefill, mixed batches, the layouts the native
+decode does not run) comes here, and dequantises a tile at a time into a transient: a block of
+`ROWS` weight rows, or one busy expert, in the activations' dtype. Those values are the ones
+`--fp8-gemm-backend torch` / `--moe-runner-backend torch` make once at load
+(`dequantize_block_fp8(...)`, or NVFP4's e2m1 * (scale * scale_2), then `.to(dtype)`), so the
+two agree to the GEMMs' rounding.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Routed experts kept NVFP4 at load: the checkpoint's e2m1 codes, per-16 e4m3 scales and global
-scales, fused per layer, as stored (models/nvfp4.py has the format).
+scales, fused per layer, as stored (kernels/nvfp4.py has the format).
 
 On CPU, one rank, the `moe` op's `cpu` backend keeps an NVFP4 checkpoint's routed experts so
 (models/fp8_keep.py): the loader copies each expert's packed `gate_proj` / `up_proj` /

@@ -26,6 +26,7 @@ from dsaserve.layers.fp8_linear import keep_fp8
 from dsaserve.layers.nvfp4_experts import keep_nvfp4_experts
 from dsaserve.models.checkpoint_files import fp8_block_size
 from dsaserve.models.load_targets import FP8_DTYPES
+from dsaserve.models.nvfp4 import is_nvfp4_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def keep_fp8_weights(model: nn.Module, quantization: str | None, names: dict[str
     """Swap this rank's quantised Linears / routed experts for their FP8 forms (before load);
     an NVFP4 checkpoint's routed experts for their NVFP4 form where the `moe` op is the CPU one."""
     kept = KeptFp8()
-    if quantization == "modelopt" and names["moe"] == "cpu":
+    if names["moe"] == "cpu" and is_nvfp4_checkpoint(Path(model_path)):
         kept.nvfp4_expert_layers = keep_nvfp4_experts(model, kernels.moe)
         return kept
     if quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":

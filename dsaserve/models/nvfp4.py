@@ -47,6 +47,12 @@ QUANT_CONFIG_NAME = "hf_quant_config.json"
 ROUTED_EXPERT_RE = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+def is_nvfp4_checkpoint(folder: Path) -> bool:
+    """config.json's `quantization_config` says ModelOpt NVFP4."""
+    quant = (read_config(folder) or {}).get("quantization_config") or {}
+    return quant.get("quant_method") == "modelopt" and quant.get("quant_algo") == "NVFP4"
+
+
 def is_nvfp4_weight(name: str, tensor: torch.Tensor, locations: dict) -> bool:
     return tensor.dtype == torch.uint8 and name + SCALE in locations
 

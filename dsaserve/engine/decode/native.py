@@ -85,8 +85,9 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list, list[int]
               12: _scale(dense.down_proj), 15: _scale(experts, "gate_up_proj"),
               16: _scale(experts, "down_proj")}  # fmt: skip
     scales = [_or_none(scaled.get(slot)) for slot in range(len(tensors))]
+    # NVFP4 experts: each row's global scale
     rowed = {15: getattr(experts, "gate_up_proj_scale_2", None),
-             16: getattr(experts, "down_proj_scale_2", None)}  # NVFP4: each row's global scale
+             16: getattr(experts, "down_proj_scale_2", None)}  # fmt: skip
     row_scales = [_or_none(rowed.get(slot)) for slot in range(len(tensors))]
     config = layer.mlp.gate if moe else None
     ints = [
