@@ -47,7 +47,11 @@ class NixlEngine(TransferEngine):
     def __init__(self, agent_name: str, host: str, ib_device: str | None) -> None:
         api = _api()
         self.agent_name = agent_name
-        self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+        # no progress thread: NIXL's polls without a pause (a core per agent, idle or not);
+        # the role drives UCX itself, the prefill polling its write's state until it is done,
+        # the decode reading its notifications every step while it waits for a room's KV
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent = api.nixl_agent(agent_name, config)
         self.registered: list = []
         self.pending: list[bytes] = []
 
