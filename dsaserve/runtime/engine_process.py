@@ -33,6 +33,7 @@ from dsaserve.engine.messages import GenerateRequest, RequestOutput
 from dsaserve.engine.ranks.rounds import Stopped
 from dsaserve.engine.startup import pick_device
 from dsaserve.runtime import heartbeat, ipc
+from dsaserve.runtime.quick_exit import skip_final_collection
 from dsaserve.runtime.ranks import LocalRanks, start_ranks
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def run_engine_process(args: ServerArgs, paths: ipc.IpcPaths, parent_pid: int,
     build what `factory` makes on them, and serve it until told to stop. With `--dp N` (no DP
     attention) the API process spawns N of them; this is `replica`, on its own devices."""
     enter_replica(args, replica)
+    skip_final_collection()
     # Serving, the API process decides when we stop (after draining), also when a whole process
     # group is signalled; if the API process dies instead, the loop notices the new parent and
     # exits. Starting, there is nothing to drain: SIGTERM ends the start (a native build's

@@ -26,6 +26,7 @@ from dsaserve.runtime.hub import resolve_checkpoints
 from dsaserve.runtime.memory_fit import check_memory_fit
 from dsaserve.runtime.node import serve_node
 from dsaserve.runtime.preflight import preflight
+from dsaserve.runtime.quick_exit import skip_final_collection
 from dsaserve.server.app import build_app
 from dsaserve.server.body_decoder import BodyDecoder
 from dsaserve.server.dp_controller import DPEngineClient
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None, engine_factory: Any = None) -> int:
     """`dsaserve serve`. `engine_factory` builds what the engine process drives (its
     EngineFactory, runtime/engine_process.py; picklable): by default the engine in its
     --disaggregation-mode role; a test passes its own double."""
+    skip_final_collection()  # stopped promptly on SIGTERM (runtime/quick_exit.py)
     try:
         args = resolve_checkpoints(ServerArgs.from_cli(argv), say)  # Hub ids: once, here
         for note in preflight(args):  # every flag, once, before any process starts

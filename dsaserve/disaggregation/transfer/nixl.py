@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import torch
 from dsaserve.disaggregation.transfer.base import Kinds, Segment, TransferEngine, TransferError
 
 WRITE_TIMEOUT_S = 60.0
+PROGRESS_WAIT_US = 100_000  # the progress thread's longest sleep between UCX events
 MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
 
 
@@ -40,6 +42,26 @@ def _descs(segments: list[Segment], column: int, kind: str) -> np.ndarray:
     return np.ascontiguousarray(np.hstack([table[:, [column, 2]], ids]))
 
 
+def _agent(api: Any, agent_name: str) -> Any:
+    """A NIXL agent whose UCX progress thread sleeps until UCX has an event (or
+    PROGRESS_WAIT_US passed). `nixl_agent` sets the thread's wait to 0, and the thread then
+    polls without a pause: a core per agent, idle or not (3-5 of them in one PD test module on
+    a 2-core machine starved its servers). The thread itself stays: a write into a decode
+    completes while the decode is busy stepping or idle (over TCP the receiving side's UCX must
+    progress for the bytes to land)."""
+
+    class Config(api.nixlBind.nixlAgentConfig):
+        def __setattr__(self, name: str, value: Any) -> None:
+            super().__setattr__(name, PROGRESS_WAIT_US if name == "pthrDelay" else value)
+
+    binding = api.nixlBind.nixlAgentConfig
+    api.nixlBind.nixlAgentConfig = Config
+    try:
+        return api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        api.nixlBind.nixlAgentConfig = binding
+
+
 class NixlEngine(TransferEngine):
     name = "nixl"
     notifies = True
@@ -47,7 +69,7 @@ class NixlEngine(TransferEngine):
     def __init__(self, agent_name: str, host: str, ib_device: str | None) -> None:
         api = _api()
         self.agent_name = agent_name
-        self.agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+        self.agent = _agent(api, agent_name)
         self.registered: list = []
         self.pending: list[bytes] = []
 
