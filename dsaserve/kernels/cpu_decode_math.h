@@ -70,16 +70,6 @@ inline float e4m3_to_float(uint8_t v) {
   return v & 0x80 ? -mag : mag;
 }
 
-// Every e4m3 byte's value (NVFP4 scales are read one a group: a lookup, not a decode).
-inline const float* e4m3_values() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int v = 0; v < 256; ++v) t[v] = e4m3_to_float(static_cast<uint8_t>(v));
-    return t;
-  }();
-  return table.data();
-}
-
 constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -159,7 +149,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // of several weights were stacked: one scale row per weight row). The FP8 value is made in
 // registers as e4m3 * scale in fp32, one rounding, as `dequantize_block_fp8` makes it, so a dot
 // over FP8 weights is the dot over the dequantised fp32 weights, bit for bit.
-// Or NVFP4 (models/nvfp4.py): e2m1 codes, two a byte (element 2i in the low nibble), each 16 of a
+// Or NVFP4 (kernels/nvfp4.py): e2m1 codes, two a byte (element 2i in the low nibble), each 16 of a
 // row times its e4m3 scale times the row's global scale: code * (float(scale8) * scale2[row]),
 // made as the loader's dequantisation makes it.
 enum Kind { kF32, kBF16, kFP8, kNVFP4 };
@@ -181,7 +171,7 @@ struct Mat {
 constexpr int64_t kScaleBlock = 128;  // the columns one FP8 scale covers
 
 inline float Mat::group_scale(int64_t row, int64_t col) const {
-  return e4m3_values()[scale8[row * (cols / 16) + col / 16]] * scale2[row];
+  return e4m3_to_float(scale8[row * (cols / 16) + col / 16]) * scale2[row];
 }
 
 #if defined(__AVX512F__)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsaserve.kernels.block_fp8 import KEPT_BLOCK, dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, KEPT_BLOCK, dequantize_block_fp8
 from dsaserve.kernels.nvfp4 import GROUP, unpack_e2m1
 from dsaserve.kernels.static_moe import static_experts
 
@@ -40,7 +40,7 @@ def kept_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{index[t, j]}(x[t]): FP8 or NVFP4 experts one busy expert at
     a time (index -1: another rank's, left out); float ones as the torch op."""
-    if experts.gate_up_proj.dtype.is_floating_point and experts.gate_up_proj.itemsize > 1:
+    if experts.gate_up_proj.dtype not in (FP8_DTYPE, torch.uint8):  # uint8: NVFP4 codes
         return static_experts(experts, x, index, weights)
     flat, scale = index.reshape(-1), weights.reshape(-1)
     token_of = torch.arange(flat.numel()) // index.shape[1]

@@ -12,15 +12,16 @@ Ops (and the flags that pick them, SGLang's names where SGLang has one):
 | `draft_attention` (DFlash block) | `--speculative-draft-attention-backend` | torch, triton |
 
 `torch` is today's eager code, always importable and the `auto` choice on CPU, except for the two
-ops that take block-FP8 weights: on CPU their `auto` is `cpu` (kernels/cpu_fp8.py), which keeps them
-FP8 as stored (an explicit `torch` dequantises them on load, the reference). On CUDA `auto` takes
-our Triton kernel where it imports, else the reference. The vendor adapters (`deep_gemm`:
-kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` / `flashmla_kv` /
-`flashmla_auto`: kernels/flash_mla_adapter.py) were never run on a GPU, so only an explicit flag
-takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds; otherwise our
-Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g. `fa3`) resolves
-to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line, and on a GPU older
-than sm_80 or a ROCm one so is `triton` (`auto` takes torch; kernels/gpu_target.py).
+ops that take quantised weights: on CPU their `auto` is `cpu` (kernels/cpu_fp8.py), which keeps them
+as stored, block FP8 and NVFP4 experts (an explicit `torch` dequantises them on load, the
+reference). On CUDA `auto` takes our Triton kernel where it imports, else the reference. The vendor
+adapters (`deep_gemm`: kernels/deep_gemm_adapter.py; `flashmla` for SGLang's `flashmla_sparse` /
+`flashmla_kv` / `flashmla_auto`: kernels/flash_mla_adapter.py) were never run on a GPU, so only an
+explicit flag takes them, and only on CUDA where `import deep_gemm` / `import flash_mla` succeeds;
+otherwise our Triton kernel stands in (logged). Any other SGLang name without a kernel here (e.g.
+`fa3`) resolves to our Triton kernel on CUDA. On CPU every CUDA-only name is refused in one line,
+and on a GPU older than sm_80 or a ROCm one so is `triton` (`auto` takes torch;
+kernels/gpu_target.py).
 """
 
 from __future__ import annotations

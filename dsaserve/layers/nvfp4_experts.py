@@ -48,10 +48,9 @@ class Nvfp4Experts(nn.Module):
         return self.moe(self, x, index, weights)
 
 
-def keep_nvfp4_experts(model: nn.Module, moe: Callable) -> int:
+def keep_nvfp4_experts(model: nn.Module, moe: Callable) -> None:
     """Swap every whole (one-rank) MoE layer's `Experts` of `model` for `Nvfp4Experts` where
-    its inputs come in whole groups of 16; returns how many."""
-    swapped = 0
+    its inputs come in whole groups of 16."""
     for module in model.modules():
         if not isinstance(module, MoE) or not isinstance(module.experts, Experts):
             continue
@@ -61,5 +60,3 @@ def keep_nvfp4_experts(model: nn.Module, moe: Callable) -> int:
         if experts.down_proj.shape[-1] % GROUP or experts.gate_up_proj.shape[-1] % GROUP:
             continue
         module.experts = Nvfp4Experts(experts, moe)
-        swapped += 1
-    return swapped

@@ -38,7 +38,6 @@ MODULUS = 65521
 class KeptFp8:
     linears: int = 0
     expert_layers: int = 0
-    nvfp4_expert_layers: int = 0
 
 
 @dataclass
@@ -60,7 +59,7 @@ def keep_fp8_weights(model: nn.Module, quantization: str | None, names: dict[str
     an NVFP4 checkpoint's routed experts for their NVFP4 form where the `moe` op is the CPU one."""
     kept = KeptFp8()
     if names["moe"] == "cpu" and is_nvfp4_checkpoint(Path(model_path)):
-        kept.nvfp4_expert_layers = keep_nvfp4_experts(model, kernels.moe)
+        keep_nvfp4_experts(model, kernels.moe)
         return kept
     if quantization != "fp8" or names["fp8_gemm"] == names["moe"] == "torch":
         return kept
