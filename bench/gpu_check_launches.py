@@ -7,10 +7,12 @@ a new configuration in the launch code shows up here without editing this file.
 bench/gpu_check_compile.py compiles each distinct one ahead of time (and imports this module with
 TRITON_INTERPRET unset: the kernels must be JITFunctions).
 
-Claimed: GLM-5.3 at TP1, TP8 (experts split) and EP8 (whole experts), its BF16 checkpoint at TP8
-and EP8, DeepSeek-V3.2 at TP1, TP8 and EP8, and the embedded model (fp32); each with a bf16, FP8
-and fp32 KV cache; decode rows of every CUDA-graph bucket (MTP verify rows included) over every
-context bucket, eager widths that are not multiples of 16, and one prefill chunk for the GEMMs.
+Claimed: GLM-5.3 at TP1, TP2, TP4, TP8 (experts split) and EP8 (whole experts), its BF16
+checkpoint at TP8 and EP8, DeepSeek-V3.2 at TP1, TP2, TP4, TP8 and EP8, and the embedded model
+(fp32); each with a bf16, FP8 and fp32 KV cache; decode rows of every CUDA-graph bucket (MTP
+verify rows included) over every context bucket, eager widths that are not multiples of 16, and
+one prefill chunk for the GEMMs. Claims whose attention shapes agree (`attention_shapes`: TP8
+and EP8, GLM-5.3 and its BF16 checkpoint) record the indexer and sparse MLA launches once.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ class Launch:
 def claims() -> list[Claim]:
     glm, bf16, dsv = (BUILTIN_MODELS[n] for n in ("GLM-5.3", "GLM-5.3-BF16", "DeepSeek-V3.2"))
     bf = torch.bfloat16
-    layouts = (("TP1", 1, "tp"), ("TP8", 8, "tp"), ("EP8", 8, "ep"))
+    layouts = (("TP1", 1, "tp"), ("TP2", 2, "tp"), ("TP4", 4, "tp"), ("TP8", 8, "tp"),
+               ("EP8", 8, "ep"))  # fmt: skip
     out = [Claim(f"GLM-5.3 {name}", rank_shapes(glm, tp, moe), bf, "fp8", True, 202752)
            for name, tp, moe in layouts]  # fmt: skip
     out += [Claim(f"GLM-5.3-BF16 {name}", rank_shapes(bf16, 8, moe), bf, "bf16", False, 202752)
@@ -101,6 +104,14 @@ def claims() -> list[Claim]:
     out.append(Claim("embedded", tiny, torch.float32, "fp32", False, 65536,
                      raw["num_experts_per_tok"]))  # fmt: skip
     return out
+
+
+def attention_shapes(claim: Claim) -> tuple:
+    """What the indexer and sparse MLA launches of a claim depend on: claims that agree here
+    (TP8 and EP8, the BF16 checkpoint's) make the same attention launches."""
+    s = claim.shapes
+    return (s.heads, s.rank, s.rope, s.index_heads, s.index_dim, s.index_topk, claim.compute,
+            claim.max_context)  # fmt: skip
 
 
 def decode_shapes(claim: Claim) -> Iterator[tuple[int, int]]:
@@ -132,7 +143,7 @@ def _attention(claim: Claim, kv: str) -> None:
     s = claim.shapes
     cache, keys = _caches(claim, kv, 1 << 16)
     for rows, context in decode_shapes(claim):
-        q = torch.empty(rows, s.index_heads, s.index_dim, device=META)
+        q = torch.empty(rows, s.index_heads, s.index_dim, dtype=claim.compute, device=META)
         table = torch.empty(rows, context, dtype=torch.long, device=META)
         valid = torch.empty(rows, context, dtype=torch.bool, device=META)
         weights = torch.empty(rows, s.index_heads, device=META)
@@ -233,11 +244,14 @@ def record_launches(cc: int = 90, only: str = "") -> list[Launch]:
     original = JITFunction.run
     JITFunction.run = _record
     _current["into"] = launches
+    attended = set()
     try:
         for claim in (c for c in claims() if only in c.name):
             with as_target(cc // 10, cc % 10):
-                for kv in KV_CACHES:
-                    _attention(claim, kv)
+                if attention_shapes(claim) not in attended:  # once per distinct attention
+                    attended.add(attention_shapes(claim))
+                    for kv in KV_CACHES:
+                        _attention(claim, kv)
                 if claim.fp8_linears:
                     _linears(claim)
                 _experts(claim)
