@@ -49,7 +49,7 @@ def _tile_m(result: dict) -> int | None:
     """The M of the tile's dots where they are 16-bit / FP8 (None: IEEE fp32 dots)."""
     kernel, c = result["kernel"], result["constexprs"]
     if kernel in ("_indexer_scores_kernel", "_sparse_mla_kernel"):
-        if c["DOT"] == "fp32":
+        if c.get("DOT", "fp32") == "fp32":  # older reports: the indexer was fp32 only
             return None
         # the indexer is swap-AB: a block's keys are the M; sparse MLA: the heads
         return c["BLOCK_L"] if kernel == "_indexer_scores_kernel" else c["BLOCK_H"]

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.gpu_target import fp8_in_hardware
+from dsaserve.kernels.gpu_target import fp8_in_hardware, has_wgmma
 from dsaserve.kernels.kv_quant import is_fp8
 from dsaserve.kernels.topk import topk_earliest
 from dsaserve.kernels.triton_support import load_e4m3
@@ -141,6 +141,8 @@ def indexer_scores(q, weights, cache, slots, valid) -> torch.Tensor:
     scale_ptr = scales[:, -1] if fp8 else cache
     block_h = max(16, triton.next_power_of_2(h))
     dot = dot_dtype(q.dtype)
+    # 64 heads: 8 warps for FMAs, and for mma.sync (sm_120's 4 spilled 16 B over fp32 keys)
+    wide = block_h >= 64 and (dot == tl.float32 or not has_wgmma(q.device))
     walk = steps(b, length)
     grid = (b, triton.cdiv(triton.cdiv(length, BLOCK_L), walk))
     _indexer_scores_kernel[grid](
@@ -149,7 +151,7 @@ def indexer_scores(q, weights, cache, slots, valid) -> torch.Tensor:
         scales.stride(0) if fp8 else 0,
         D=d, FP8=fp8, SOFT_FP8=fp8 and not fp8_in_hardware(q.device), DOT=dot, BLOCK_H=block_h,
         BLOCK_D=max(CHUNK_D, triton.next_power_of_2(d)), BLOCK_L=BLOCK_L, CHUNK_D=CHUNK_D,
-        num_warps=8 if block_h >= 64 and dot == tl.float32 else 4,
+        num_warps=8 if wide else 4,
     )  # fmt: skip
     return out
 
