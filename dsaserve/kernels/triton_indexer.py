@@ -163,12 +163,14 @@ def indexer_decode_topk(q, weights, cache, slots, valid, k: int) -> torch.Tensor
 
 def score_bound(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """How far [B, L] a score of `indexer_scores` may lie from the reference's over the same
-    keys [B, L, D] (fp32, as the reference reads them), for a 16-bit q or an fp32 one.
+    keys [B, L, D] (fp32, as the reference reads them), for a 16-bit q or an fp32 one. With a
+    16-bit q the keys must be values of its dtype or FP8 ones (what the engine writes; an fp32
+    cache of other values is rounded to the query's dtype, outside this bound).
 
     Both compute S[h, l] = sum_d q[h, d] k[l, d] in fp32, in different orders: each product is
-    exact in the kernel (16-bit q times e4m3 or 16-bit keys; an fp32 key would be rounded once)
-    and rounded at most once in the reference (plus once for an FP8 key's scale on each side),
-    each of the D - 1 additions errs by at most two ulps of the magnitude carried, so
+    exact in the kernel's 16-bit dot (rounded once in its fp32 one) and rounded at most once in
+    the reference (plus once for an FP8 key's scale on each side), and each of the D - 1
+    additions errs by at most two ulps of the magnitude carried, so
     |dS| <= (2D + 2) * 2u * sum_d |q k| with u = 2^-24 (two ulps an addition: covers tensor
     cores that truncate instead of rounding). ReLU does not grow it; the weighted sum over H
     heads adds 2H + 2 such roundings of sum_h |w S| on each side."""
