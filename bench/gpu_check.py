@@ -16,8 +16,10 @@ the static decode forward captured once per batch, replayed) at batch 1, 8, 32, 
 Triton kernel (indexer, sparse MLA, block-FP8 GEMM, grouped masked MoE), and divides by the
 bytes-moved floor at the measured copy bandwidth; then the DFLASH parts (bench/gpu_check_dflash.py:
 the drafter's attention kernel, and the verify step with the drafter's target layers through the
-same graph runner); then, where two GPUs are, `--tp 2` CUDA-graph decode against eager
-(bench/gpu_check_ranks.py). It prints a table and writes JSON. One routed
+same graph runner); then the indexer and sparse MLA on tensor cores against the FMA forms they
+replaced and the torch reference at 4k / 64k / 256k contexts (bench/gpu_check_attention.py);
+then, where two GPUs are, `--tp 2` CUDA-graph decode against eager (bench/gpu_check_ranks.py).
+It prints a table and writes JSON. One routed
 expert set is shared by the MoE layers (75 would not fit beside the KV; each layer still reads
 its experts' bytes from HBM).
 """
@@ -38,6 +40,7 @@ from dsaserve.deploy.models import BUILTIN_MODELS, ModelSpec  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (8192, 32768)
+ATTENTION_CONTEXTS = (4096, 65536, 262144)  # the indexer and sparse MLA, old kernels and new
 TOP_K_EXPERTS = 8  # GLM-5.3 num_experts_per_tok
 INDEX_TOPK = 2048
 FP8_WEIGHT = 1 + 4 / (128 * 128)  # bytes a weight: e4m3 + its 128x128 block's fp32 scale
@@ -141,13 +144,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--attention-contexts", type=int, nargs="+",
+                        default=list(ATTENTION_CONTEXTS))  # fmt: skip
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="toy shapes (CPU, interpreter)")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--out", default="gpu_check.json")
     args = parser.parse_args(argv)
-    if args.tp < 1 or any(b < 1 for b in args.batches) or args.iters < 1:
-        parser.error("--tp, --batches and --iters must be positive")
+    if args.tp < 1 or min(args.batches + args.attention_contexts) < 1 or args.iters < 1:
+        parser.error("--tp, --batches, --attention-contexts and --iters must be positive")
     return args
 
 
@@ -161,6 +166,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from gpu_check_attention import run_attention_timing
+    from gpu_check_attention import table as attention_table
     from gpu_check_dflash import run_dflash_checks, verify_rows  # the torch / Triton part
     from gpu_check_ranks import run_rank_graphs
     from gpu_check_run import run_checks, run_timing
@@ -199,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {'ok ' if check['ok'] else 'BAD'} {check['name']}: {check['error']:.2e}")
         report["checks"] += replays
         failed += [c for c in replays if not c["ok"]]
+        attention = [256, 512] if args.tiny else args.attention_contexts
+        report["attention"] = run_attention_timing(shapes["tp"], attention, 1, args.iters,
+                                                   report["bandwidth"])  # fmt: skip
+        print(attention_table(report["attention"]))
     report["ranks"] = run_rank_graphs()
     print(f"  {report['ranks']['name']}: {report['ranks']['ok']} ({report['ranks']['detail']})")
     failed += [report["ranks"]] if report["ranks"]["ok"] is False else []

@@ -9,7 +9,10 @@ integers that are multiples of 16, the constexprs and launch options), deduplica
 compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`, which runs
 the wheel's bundled ptxas. From ptxas's `-v` log: registers, spill stores / loads, stack; from
 the compiled kernel: Triton's shared memory (checked against the target's per-block limit) and
-the PTX's matrix instruction (wgmma, tcgen05, mma.sync, or none: FMAs). Results are cached by
+the PTX's matrix instruction (wgmma, tcgen05, mma.sync, or none: FMAs) against the one the
+tile allows (bench/gpu_check_report.py: `expected_family`; the script exits 1 and prints a FAIL
+line for each configuration that spills, overflows shared memory, fails to compile or issues
+another instruction, e.g. FMAs for 16-bit / FP8 dots). Results are cached by
 the specialisation's hash (kernel source and its dependencies, signature, constexprs, target,
 options, Triton version) under --cache, so only a changed kernel compiles again.
 """
@@ -39,7 +42,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (the kernels are JI
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from gpu_check_report import detail, summary, table  # noqa: E402
+from gpu_check_report import detail, expected_family, problems, summary, table  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
@@ -193,7 +196,8 @@ def dumps(report: dict, results: list[dict]) -> str:
 def _compact(result: dict) -> dict:
     """A result as the report keeps it: pointer arguments' dtypes only, two launch labels."""
     pointers = {k: v for k, v in result["signature"].items() if v.startswith("*")}
-    return {**result, "signature": pointers, "labels": result["labels"][:2]}
+    return {**result, "signature": pointers, "labels": result["labels"][:2],
+            "expected": expected_family(result)}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,10 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     fresh = sum(not r["cached"] for r in results)
     count = sum(len(v) for v in {id(v): v for v in launches.values()}.values())  # once each
     print(f"{count} launches, {len(results)} compiles ({fresh} not cached), {wall:.0f} s")
+    failing = [line for r in results for line in problems(r)]
+    print("\n".join(["FAIL " + line for line in failing] or ["every configuration passes"]))
     report = {"triton": triton.__version__, "targets": args.targets, "wall_s": wall,
-              "launches": count, "summary": rows}  # fmt: skip
+              "launches": count, "failing": failing, "summary": rows}  # fmt: skip
     Path(args.out).write_text(dumps(report, [_compact(r) for r in results]))
-    return 0
+    return 1 if failing else 0
 
 
 if __name__ == "__main__":

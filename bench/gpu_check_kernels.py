@@ -33,13 +33,15 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator(device=DEVICE).manual_seed(seed)
 
 
-def check_indexer(s, context: int, batch: int = 4) -> list[dict]:
+def check_indexer(s, context: int, batch: int = 4, q_dtype=torch.bfloat16) -> list[dict]:
+    """Scores, top-k and ties of FP8 keys: a bf16 query on tensor cores (the engine's), an fp32
+    one as IEEE fp32 dots."""
     g = _gen(context)
     keys = torch.randn(batch * context, s.index_dim, device=DEVICE, generator=g)
     cache = quantize_key(keys)
     table = torch.randperm(batch * context, device=DEVICE, generator=g).view(batch, context)
     valid = torch.ones(batch, context, dtype=torch.bool, device=DEVICE)
-    q = torch.randn(batch, s.index_heads, s.index_dim, device=DEVICE, generator=g)
+    q = torch.randn(batch, s.index_heads, s.index_dim, device=DEVICE, generator=g).to(q_dtype)
     w = torch.randn(batch, s.index_heads, device=DEVICE, generator=g) * s.index_heads**-0.5
     got = indexer_scores(q, w, cache, table, valid)
     want = reference.indexer_scores(q, w, KV_STORE.read_key(cache, table, torch.float32), valid)
@@ -50,10 +52,11 @@ def check_indexer(s, context: int, batch: int = 4) -> list[dict]:
     zero = torch.zeros_like(cache)  # every score ties at 0.0: the earliest positions must win
     tied = indexer_decode_topk(q, w.abs(), zero, table, valid, topk)
     earliest = torch.arange(topk, device=DEVICE).expand(batch, -1)
+    name = f"{str(q_dtype).removeprefix('torch.')} query ctx {context}"
     return [
-        _check(f"indexer scores fp8 keys ctx {context}", _rel(got, want), 1e-4),
-        _check(f"indexer top-{topk} overlap ctx {context}", 1 - overlap / picks.numel(), 1e-3),
-        _check(f"indexer ties earliest ctx {context}", float(not torch.equal(tied, earliest)), 0),
+        _check(f"indexer scores fp8 keys {name}", _rel(got, want), 1e-4),
+        _check(f"indexer top-{topk} overlap {name}", 1 - overlap / picks.numel(), 1e-3),
+        _check(f"indexer ties earliest {name}", float(not torch.equal(tied, earliest)), 0),
     ]
 
 
@@ -192,7 +195,8 @@ def _quantised_experts(experts, x, index, weights) -> torch.Tensor:
 
 def run_checks(shapes: dict, contexts: list[int], prefill: int = 4096) -> list[dict]:
     s = shapes["tp"]
-    checks = [c for ctx in contexts for c in check_indexer(s, ctx)] + check_sparse_mla(s)
+    checks = [c for ctx in contexts for dtype in (torch.bfloat16, torch.float32)
+              for c in check_indexer(s, ctx, q_dtype=dtype)] + check_sparse_mla(s)  # fmt: skip
     for name, (n, k) in s.linear_shapes().items():
         checks += [check_gemm(name, n, k, m) for m in (1, 64)]
     for moe, r in shapes.items():

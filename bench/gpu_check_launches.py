@@ -7,10 +7,14 @@ a new configuration in the launch code shows up here without editing this file.
 bench/gpu_check_compile.py compiles each distinct one ahead of time (and imports this module with
 TRITON_INTERPRET unset: the kernels must be JITFunctions).
 
-Claimed: GLM-5.3 at TP1, TP8 (experts split) and EP8 (whole experts), its BF16 checkpoint at TP8
-and EP8, DeepSeek-V3.2 at TP1, TP8 and EP8, and the embedded model (fp32); each with a bf16, FP8
-and fp32 KV cache; decode rows of every CUDA-graph bucket (MTP verify rows included) over every
-context bucket, eager widths that are not multiples of 16, and one prefill chunk for the GEMMs.
+Claimed: GLM-5.3 at TP1, TP8 (experts split) and EP8 (whole experts), its BF16 checkpoint at
+TP8 and EP8, DeepSeek-V3.2 at TP1, TP8 and EP8, and the embedded model (fp32); the attention
+kernels of GLM-5.3 and DeepSeek-V3.2 at TP2 and TP4 too; each with a bf16, FP8 and fp32 KV
+cache; decode rows of every CUDA-graph bucket (MTP verify rows included) over every context
+bucket, eager widths that are not multiples of 16, and one prefill chunk for the GEMMs. What
+two claims would launch alike is recorded once: the indexer and sparse MLA of claims whose
+attention shapes agree (`attention_shapes`: TP8 and EP8, GLM-5.3 and its BF16 checkpoint), an
+FP8 Linear of a width and dtype already recorded (the replicated ones, TP8's under EP8).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Claim:
     fp8_linears: bool  # block-FP8 Linears kept (the FP8 GEMM)
     max_context: int
     top_k: int = 8  # num_experts_per_tok
+    attention_only: bool = False  # only the indexer and sparse MLA launches are claimed
 
 
 @dataclass(frozen=True)
@@ -95,12 +100,25 @@ def claims() -> list[Claim]:
             for name, moe in (("TP8", "tp"), ("EP8", "ep"))]  # fmt: skip
     out += [Claim(f"DeepSeek-V3.2 {name}", rank_shapes(dsv, tp, moe), bf, "fp8", True, 163840)
             for name, tp, moe in layouts]  # fmt: skip
+    # TP2 / TP4: 32 / 16 heads a rank (GLM-5.3), 64 / 32 (DeepSeek-V3.2) for the attention
+    # tiles; their GEMM and MoE tiles are TP1's and TP8's at other widths
+    out += [Claim(f"{spec.name} TP{tp}", rank_shapes(spec, tp, "tp"), bf, "fp8", True, context,
+                  attention_only=True)
+            for spec, context in ((glm, 202752), (dsv, 163840)) for tp in (2, 4)]  # fmt: skip
     raw = json.loads(EMBEDDED.read_text())
     tiny = rank_shapes(spec_from_config(raw, "embedded", str(EMBEDDED.parent)), 1, "tp")
     tiny = dataclasses.replace(tiny, index_topk=raw["index_topk"])
     out.append(Claim("embedded", tiny, torch.float32, "fp32", False, 65536,
                      raw["num_experts_per_tok"]))  # fmt: skip
     return out
+
+
+def attention_shapes(claim: Claim) -> tuple:
+    """What the indexer and sparse MLA launches of a claim depend on: claims that agree here
+    (TP8 and EP8, the BF16 checkpoint's) make the same attention launches."""
+    s = claim.shapes
+    return (s.heads, s.rank, s.rope, s.index_heads, s.index_dim, s.index_topk, claim.compute,
+            claim.max_context)  # fmt: skip
 
 
 def decode_shapes(claim: Claim) -> Iterator[tuple[int, int]]:
@@ -132,7 +150,7 @@ def _attention(claim: Claim, kv: str) -> None:
     s = claim.shapes
     cache, keys = _caches(claim, kv, 1 << 16)
     for rows, context in decode_shapes(claim):
-        q = torch.empty(rows, s.index_heads, s.index_dim, device=META)
+        q = torch.empty(rows, s.index_heads, s.index_dim, dtype=claim.compute, device=META)
         table = torch.empty(rows, context, dtype=torch.long, device=META)
         valid = torch.empty(rows, context, dtype=torch.bool, device=META)
         weights = torch.empty(rows, s.index_heads, device=META)
@@ -161,11 +179,15 @@ def _drafter(claim: Claim) -> None:
                           dim**-0.5)  # fmt: skip
 
 
-def _linears(claim: Claim) -> None:
+def _linears(claim: Claim, seen: set) -> None:
+    """Each FP8 Linear of the claim at every row count, but a (width, dtype) already recorded
+    for another claim (the replicated Linears; TP8 and EP8 agree on all of them) only once."""
     s = claim.shapes
     shapes = {**s.linear_shapes(), "dense gate/up": (s.dense_inter, s.hidden),
               "dense down": (s.hidden, s.dense_inter), "shared gate/up": (s.shared_inter, s.hidden),
               "shared down": (s.hidden, s.shared_inter)}  # fmt: skip
+    shapes = {name: nk for name, nk in shapes.items() if (*nk, claim.compute) not in seen}
+    seen |= {(*nk, claim.compute) for nk in shapes.values()}
     for rows in (*row_buckets(MAX_BS, SPEC_STEPS), PREFILL_ROWS):
         for name, (n, k) in shapes.items():
             w8 = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=META)
@@ -226,6 +248,21 @@ def _stub(value):
     return value
 
 
+def _record_claim(claim: Claim, seen: dict[str, set]) -> None:
+    """The launches of one claim that no claim before it made (`seen`)."""
+    if attention_shapes(claim) not in seen["attention"]:  # once per distinct attention
+        seen["attention"].add(attention_shapes(claim))
+        for kv in KV_CACHES:
+            _attention(claim, kv)
+    if claim.attention_only:
+        return
+    if claim.fp8_linears:
+        _linears(claim, seen["linears"])
+    _experts(claim)
+    if claim.name in DRAFTERS:
+        _drafter(claim)
+
+
 def record_launches(cc: int = 90, only: str = "") -> list[Launch]:
     """Run the launch code of every claim (whose name contains `only`) on meta tensors as if on
     compute capability `cc`; the launches it makes, in order."""
@@ -233,16 +270,11 @@ def record_launches(cc: int = 90, only: str = "") -> list[Launch]:
     original = JITFunction.run
     JITFunction.run = _record
     _current["into"] = launches
+    seen = {"attention": set(), "linears": set()}
     try:
         for claim in (c for c in claims() if only in c.name):
             with as_target(cc // 10, cc % 10):
-                for kv in KV_CACHES:
-                    _attention(claim, kv)
-                if claim.fp8_linears:
-                    _linears(claim)
-                _experts(claim)
-                if claim.name in DRAFTERS:
-                    _drafter(claim)
+                _record_claim(claim, seen)
     finally:
         JITFunction.run = original
         _current["into"] = None

@@ -1,10 +1,14 @@
-"""Tables of a compile report (bench/gpu_check_compile.py's JSON): per kernel and target, or
-per kernel configuration.
+"""Tables and verdicts of a compile report (bench/gpu_check_compile.py's JSON): per kernel and
+target, or per kernel configuration.
 
     python bench/gpu_check_report.py gpu_compile.json [--detail | --pivot]
 
 --pivot: a row per kernel configuration, a column per target (registers, spill stores, shared
 memory, instruction): the table docs/gpu.md keeps.
+
+A configuration fails (`problems`) when it does not compile, spills, needs more shared memory
+than the target has, or issues another matrix instruction than its tile allows
+(`expected_family`): 16-bit / FP8 dots compiled to FMAs fail there, IEEE fp32 dots are FMAs.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 
 COLUMNS = ("kernel", "target", "launches", "compiles", "failed", "spilling", "registers",
-           "spill_stores", "shared", "over_shared", "family")  # fmt: skip
+           "spill_stores", "shared", "over_shared", "family", "expected",
+           "wrong_family")  # fmt: skip
+# the instruction of a 16-bit / FP8 tile whose M is 64 or more: warp-group MMA where the target
+# has one (kernels/gpu_target.py: has_wgmma), mma.sync elsewhere
+WIDE = {90: "wgmma", 100: "tcgen05", 103: "tcgen05"}
+TENSOR_CORES = ("wgmma", "tcgen05", "mma")
 
 
 DTYPES = {"*u8": "fp8", "*fp8e4nv": "fp8"}  # FP8 caches are raw bytes
@@ -26,12 +35,53 @@ def config(result: dict) -> str:
     c, sig = result["constexprs"], result["signature"]
     dtype = lambda name: DTYPES.get(sig[name], sig[name][1:])  # noqa: E731
     if "BLOCK_L" in c:  # the indexer
-        return f"{dtype('cache_ptr')} keys, {c['BLOCK_H']} heads"
+        return f"{dtype('q_ptr')} query, {dtype('cache_ptr')} keys, {c['BLOCK_H']} heads"
+    if "G" in c:  # the DFLASH drafter's attention
+        return f"{dtype('q_ptr')} query, {dtype('cache_ptr')} cache, {c['BLOCK_M']} rows"
     if "BLOCK_H" in c:  # sparse MLA
         dots = f", {c['DOT']} dots" if "DOT" in c else ""
         return f"{dtype('q_ptr')} query, {dtype('cache_ptr')} cache{dots}, {c['BLOCK_H']} heads"
     swap = ", swap-AB" if c.get("SWAP") else ""
     return f"{dtype('w_ptr')} weights, {c['BLOCK_M']} rows{swap}"
+
+
+def _tile_m(result: dict) -> int | None:
+    """The M of the tile's dots where they are 16-bit / FP8 (None: IEEE fp32 dots)."""
+    kernel, c = result["kernel"], result["constexprs"]
+    if kernel in ("_indexer_scores_kernel", "_sparse_mla_kernel"):
+        if c.get("DOT", "fp32") == "fp32":  # older reports: the indexer was fp32 only
+            return None
+        # the indexer is swap-AB: a block's keys are the M; sparse MLA: the heads
+        return c["BLOCK_L"] if kernel == "_indexer_scores_kernel" else c["BLOCK_H"]
+    if c.get("IEEE"):
+        return None
+    return 128 if c.get("SWAP") else c["BLOCK_M"]  # swapped: the weight's 128 rows
+
+
+def expected_family(result: dict) -> str:
+    """The instruction a kernel's tile allows: FMAs for IEEE fp32 dots; for 16-bit / FP8 dots
+    wgmma (sm_90) / tcgen05 (sm_100, sm_103) where M >= 64, else mma.sync."""
+    m = _tile_m(result)
+    if m is None:
+        return "fma"
+    return WIDE.get(result["target"], "mma") if m >= 64 else "mma"
+
+
+def problems(result: dict) -> list[str]:
+    """Why a compiled configuration fails (empty: it passes)."""
+    where = f"{result['kernel']} sm_{result['target']} {result['constexprs']}"
+    where += f" ({result['labels'][0]})" if result.get("labels") else ""
+    if not result["ok"]:
+        return [f"{where}: {result['error'][:300]}"]
+    found = []
+    if result["spill_stores"]:
+        found.append(f"{where}: {result['spill_stores']} B of spill stores")
+    if result["shared"] > result["shared_limit"]:
+        found.append(f"{where}: {result['shared']} B of shared memory > {result['shared_limit']}")
+    if result["family"] != expected_family(result):
+        found.append(f"{where}: {result['family']} ({result['mma']}), not "
+                     f"{expected_family(result)}")  # fmt: skip
+    return found
 
 
 def _row(name: str, target: int, rs: list[dict]) -> dict:
@@ -45,6 +95,8 @@ def _row(name: str, target: int, rs: list[dict]) -> dict:
         "shared": _range(r["shared"] for r in ok),
         "over_shared": sum(r["shared"] > r["shared_limit"] for r in ok),
         "family": " ".join(sorted({r["family"] for r in ok})),
+        "expected": " ".join(sorted({expected_family(r) for r in ok})),
+        "wrong_family": sum(r["family"] != expected_family(r) for r in ok),
     }  # fmt: skip
 
 

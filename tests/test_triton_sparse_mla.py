@@ -6,6 +6,7 @@ import pytest
 import torch
 from triton_env import DEVICE, needs_triton
 
+from dsaserve.engine.kvcache.pool import page_slots
 from dsaserve.kernels import reference
 from dsaserve.kernels.kv_quant import quantize_entry
 
@@ -77,3 +78,40 @@ def test_software_e4m3_decode_is_the_hardware_one() -> None:
     with as_target(8, 0):
         software = sparse_mla_decode(q, cache, slots, allowed, RANK, 0.2)
     torch.testing.assert_close(software, hardware, rtol=0, atol=0)
+
+
+def _paged_selection(cache_kind: str, page_size: int, heads=8, rows=2, context=300, topk=64):
+    """A bf16 query (GLM-5.3's 8 heads a TP8 rank) over its row's top-k of a 300-entry context
+    (> index_topk 64) kept in shuffled pages of `page_size`: the selected slots gathered from
+    the page table as the layer gathers them. Entries are bf16 values (what a bf16 engine
+    writes, also into an fp32 cache)."""
+    g = torch.Generator().manual_seed(page_size)
+    pages = -(-context // page_size)
+    entries = torch.randn(rows * pages * page_size, RANK + ROPE, generator=g).bfloat16().float()
+    cache = {"bf16": entries.bfloat16(), "fp8": quantize_entry(entries, RANK),
+             "fp32": entries}[cache_kind]  # fmt: skip
+    order = torch.randperm(rows * pages, generator=g).view(rows, pages)
+    table = torch.stack([page_slots(row.tolist(), page_size)[:context] for row in order])
+    valid = torch.arange(context)[None, :] < torch.tensor([context, context - 50])[:, None]
+    picks = torch.stack([torch.randperm(context - 50, generator=g)[:topk].sort().values
+                         for _ in range(rows)])  # fmt: skip
+    q = torch.randn(rows, heads, RANK + ROPE, generator=g).bfloat16()
+    slots, allowed = table.gather(1, picks), valid.gather(1, picks)
+    return q.to(DEVICE), cache.to(DEVICE), slots.to(DEVICE), allowed.to(DEVICE)
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+@pytest.mark.parametrize("cache_kind", ["bf16", "fp8", "fp32"])
+def test_top_k_of_a_paged_context(cache_kind: str, page_size: int) -> None:
+    """bf16 dots over every cache (an fp32 one converted to bf16 in registers, as the reference
+    reads it): within the bf16 bound of the fp32 reference over the same values."""
+    import triton.language as tl
+
+    from dsaserve.kernels.triton_sparse_mla import sparse_mla_decode, tile
+
+    q, cache, slots, allowed = _paged_selection(cache_kind, page_size)
+    assert tile(8, q.dtype, cache.dtype, q.device).dot == tl.bfloat16
+    got = sparse_mla_decode(q, cache, slots, allowed, RANK, 0.2)
+    want = reference.sparse_mla_decode(q.float(), cache, slots, allowed, RANK, 0.2)
+    error = ((got.float() - want).norm() / want.norm()).item()
+    assert error < (2e-2 if cache_kind == "fp8" else 1e-2), error

@@ -64,7 +64,8 @@ TRITON_SUPPORT = {
     100: "checked in CI for sm_100: compiles without spills, tcgen05 (mma.sync for 16-head "
     "attention)",
     103: "the sm_100 kernels (compile report, not CI: no spills, tcgen05)",
-    89: "the same kernels on mma.sync within 99 KB of shared memory (compile report: no spills)",
+    89: "the same kernels on mma.sync within 99 KB of shared memory (compile report: no spills "
+    "but 16 B in the fp32 drafter attention)",
     120: "the same kernels on mma.sync within 99 KB of shared memory (compile report: no spills)",
     80: "FP8 kept as bytes and decoded to fp16 inside the kernels, no FP8 in hardware (compile "
     "report: the 64-row FP8 GEMM tiles spill ~2.6 KB)",

@@ -7,10 +7,13 @@ caller). FlashMLA's structure: a program owns one row's block of BLOCK_H heads (
 dot) and one split of its entries, walked BLOCK_N entries (the N) at a time with an online
 softmax. Per block: S = q_lat . c^T + q_pe . k_pe^T (the 512-wide latent is the K of the first
 dot), then acc += P . c with the same entries as the K. The dots run in the query's 16-bit dtype
-with fp32 accumulation (mma.sync for a 16-head tile, wgmma / tcgen05 for 64 heads); an fp32 query
-or cache keeps IEEE fp32 dots (the exact path of fp32 engines and the CPU tests). FP8 entries
-(FlashMLA's layout: e4m3 latent, one fp32 scale per 128 values, then the bf16 rope;
-kernels/kv_quant.py) are dequantised per 128-group in registers before the dots.
+with fp32 accumulation over any cache (mma.sync for a 16-head tile, wgmma / tcgen05 for 64
+heads; fewer heads are padded to the tile by masking, as FlashMLA pads them); an fp32 query keeps
+IEEE fp32 dots (the exact path of fp32 engines and the CPU tests). FP8 entries (FlashMLA's
+layout: e4m3 latent, one fp32 scale per 128 values, then the bf16 rope; kernels/kv_quant.py) are
+dequantised per 128-group in registers before the dots, an fp32 cache's entries rounded to the
+query's dtype there (as the reference reads them). MTP verify rows are rows of their own: each
+has its own top-k selection, so they share no entry tile to pack.
 
 Each program leaves its unnormalised partial output with its running max and denominator, and a
 few tensor ops merge the splits (flash-decoding): about TARGET_PROGRAMS programs, so a batch-1
@@ -32,6 +35,7 @@ from dsaserve.kernels.triton_support import load_e4m3
 
 TARGET_PROGRAMS = 256
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+WIDE_CACHES = (torch.bfloat16, torch.float16)  # read by the 64-head tile (no conversion)
 
 
 @triton.jit
@@ -110,17 +114,21 @@ class Tile(NamedTuple):
 
 
 def tile(heads: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device) -> Tile:
-    """16-bit dots (tensor cores) for a 16-bit query over a 16-bit or FP8 cache: 16 heads a
-    program (mma.sync), or 64 (wgmma on sm_90, tcgen05 on sm_100: M = 64 at least) over a 16-bit
-    cache when the row has that many heads (an FP8 cache's dequantised tile passes through
-    registers, and at 64 heads that spills). An fp32 query or cache: IEEE fp32 dots, whose FMA
-    operands sit in registers: fewer entries a step."""
-    if q_dtype not in DOT_DTYPES or cache_dtype == torch.float32:
+    """A 16-bit query: 16-bit dots (tensor cores) over any cache, its entries converted to the
+    query's dtype in registers (exact for a 16-bit cache and for the entries a 16-bit engine
+    writes into an fp32 one; the reference reads them in that dtype too). 16 heads a program
+    (mma.sync: a row's 8 heads of GLM-5.3 at TP8 padded to 16 by masking), or 64 (wgmma on
+    sm_90, tcgen05 on sm_100: M = 64 at least) over a 16-bit cache when the row has that many
+    heads (an FP8 or fp32 cache's converted tile passes through registers, and at 64 heads
+    that spills: 328 / 324 B on sm_90). An fp32 query: IEEE fp32 dots, whose FMA operands sit
+    in registers: fewer entries a step."""
+    if q_dtype not in DOT_DTYPES:
         return Tile(16, 16, tl.float32, 4, 3)
     dot = DOT_DTYPES[q_dtype]
-    if heads >= 64 and cache_dtype != torch.uint8 and has_wgmma(device):
+    if heads >= 64 and cache_dtype in WIDE_CACHES and has_wgmma(device):
         return Tile(64, 16, dot, 8, 2)
-    return Tile(16, 32, dot, 8, 3)
+    # an fp32 cache's 32 x 512 latent tile held in fp32 before its conversion spills on sm_100
+    return Tile(16, 16 if cache_dtype == torch.float32 else 32, dot, 8, 3)
 
 
 def splits(rows: int, head_blocks: int, length: int, block_n: int) -> tuple[int, int]:

@@ -92,5 +92,6 @@ class Indexer(nn.Module):
         if batch.decode_rows.numel() == 0 or batch.decode_slots.shape[1] <= self.topk:
             return None
         rows = batch.decode_rows  # the `indexer` op (kernels/registry.py)
-        return batch.kernels.indexer(q[rows].float(), weights[rows], cache, batch.decode_slots,
+        # q in the compute dtype: a bf16 one is the Triton kernel's dot dtype (tensor cores)
+        return batch.kernels.indexer(q[rows], weights[rows], cache, batch.decode_slots,
                                      batch.decode_valid, self.topk)  # fmt: skip
