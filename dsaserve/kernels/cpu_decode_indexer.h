@@ -46,15 +46,17 @@ void score_block8(const float* qt, const float* w, const float* const* key, int 
       for (int c = 0; c < N8; ++c) acc[j][c] = _mm256_fmadd_ps(qv[c], kv, acc[j][c]);
     }
   }
-  for (int j = 0; j < n; ++j) {
+  float scores[KB];  // every key's (a fixed loop keeps acc in registers), then the n asked for
+  for (int j = 0; j < KB; ++j) {
     __m256 sum = _mm256_setzero_ps();
     for (int c = 0; c < N8; ++c)
       sum = _mm256_fmadd_ps(_mm256_loadu_ps(w + 8 * c), _mm256_max_ps(acc[j][c],
                             _mm256_setzero_ps()), sum);  // clang-format off
     const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    out[j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+    scores[j] = _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
   }
+  for (int j = 0; j < n; ++j) out[j] = scores[j];
 }
 #endif
 
@@ -94,8 +96,11 @@ inline void score_keys(const float* q, const float* w, const Rows& keys, const i
       }
     }
 #if defined(__AVX2__) && defined(__FMA__)
-    if (l + 4 * kb < end)
-      _mm_prefetch(reinterpret_cast<const char*>(keys.row(slots[l + 4 * kb])), _MM_HINT_T0);
+    // the keys 4 blocks on, every line of each: rows come from the page table in any order
+    for (int j = 0; j < kb && l + 4 * kb + j < end; ++j) {
+      const char* row = reinterpret_cast<const char*>(keys.row(slots[l + 4 * kb + j]));
+      for (int64_t b = 0; b < keys.row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     if (vector) {
       const auto block = heads == 8    ? score_block8<1>
                          : heads == 16 ? score_block8<2>

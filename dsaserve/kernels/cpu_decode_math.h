@@ -1,10 +1,12 @@
 // The loops of the native decode layers (cpu_decode.cpp): dot products, linears over fp32, bf16
 // or block-FP8 weights, norms, rotary, and the bf16 / e4m3 conversions of the KV cache.
 //
-// Every output element is one dot product computed the same way wherever it falls: 16 lanes
-// accumulated in input order (a masked step for the tail), then one fixed reduction tree. So a
-// result never depends on the batch's size, the blocking, or how the threads split the work
-// (1, 2 or 3 threads give the same bits).
+// Every output element is one dot product computed the same way wherever it falls: steps of 16
+// lanes in input order (a masked step for the tail), even steps into one accumulator and odd
+// ones into another (two chains of fused multiply-adds, so a single weight row streams at twice
+// what one chain's latency allows), their sum, then one fixed reduction tree. So a result never
+// depends on the batch's size, the blocking, or how the threads split the work (1, 2 or 3
+// threads give the same bits).
 
 #pragma once
 
@@ -12,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -118,28 +121,40 @@ inline float hsum(__m512 v) {
 }
 #endif
 
-// sum_i a[i] * b[i], the lane order and tree of every dot product here.
-inline float dot(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return hsum(acc);
-#else
-  float acc[16] = {0};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) acc[j] += a[i + j] * b[i + j];
-  for (int j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
+// The fixed tree of 16 partial sums (hsum's): lanes i + 8, then + 4, + 2, + 1.
+inline float tree16(float* acc) {
   for (int j = 0; j < 8; ++j) acc[j] += acc[j + 8];
   for (int j = 0; j < 4; ++j) acc[j] += acc[j + 4];
   for (int j = 0; j < 2; ++j) acc[j] += acc[j + 2];
   return acc[0] + acc[1];
+}
+
+// sum_i a[i] * b[i], the lane order and tree of every dot product here.
+inline float dot(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    even = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), even);
+    odd = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), odd);
+  }
+  __m512* last = &even;  // the accumulator of the masked step, if any
+  if (i + 16 <= n) {
+    even = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), even);
+    i += 16;
+    last = &odd;
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    *last = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i),
+                            *last);
+  }
+  return hsum(_mm512_add_ps(even, odd));
+#else
+  float acc[2][16] = {};
+  for (int64_t i = 0; i < n; ++i) acc[(i / 16) % 2][i % 16] += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) acc[0][j] += acc[1][j];
+  return tree16(acc[0]);
 #endif
 }
 
@@ -190,10 +205,11 @@ template <Kind K, int OB, int TB>
 void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, float* const* y) {
   const int64_t cols = w.cols, tail = cols % 16, body = cols - tail;
   const __mmask16 m = static_cast<__mmask16>((1u << tail) - 1);
-  __m512 acc[OB][TB], scale[OB];
+  __m512 acc[OB][TB][2], scale[OB];  // [.][.][0]: even steps, [1]: odd ones (see dot)
   for (int a = 0; a < OB; ++a)
-    for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_setzero_ps();
-  const auto step = [&](int64_t i, bool masked) {
+    for (int b = 0; b < TB; ++b) acc[a][b][0] = acc[a][b][1] = _mm512_setzero_ps();
+  const auto step = [&](int64_t i, bool masked, auto chain) {
+    constexpr int k = decltype(chain)::value;
     __m512 wv[OB], xv[TB];
     for (int a = 0; a < OB; ++a) {
       if constexpr (K == kBF16) {
@@ -217,21 +233,35 @@ void linear_tile(const float* const* x, const Mat& w, int64_t o, int64_t t, floa
     for (int b = 0; b < TB; ++b)
       xv[b] = masked ? _mm512_maskz_loadu_ps(m, x[t + b] + i) : _mm512_loadu_ps(x[t + b] + i);
     for (int a = 0; a < OB; ++a)
-      for (int b = 0; b < TB; ++b) acc[a][b] = _mm512_fmadd_ps(wv[a], xv[b], acc[a][b]);
+      for (int b = 0; b < TB; ++b) acc[a][b][k] = _mm512_fmadd_ps(wv[a], xv[b], acc[a][b][k]);
   };
-  for (int64_t i = 0; i < body; i += 16) step(i, false);
-  if (tail) step(body, true);
+  const std::integral_constant<int, 0> even;
+  const std::integral_constant<int, 1> odd;
+  int64_t i = 0;
+  for (; i + 32 <= body; i += 32) {
+    step(i, false, even);
+    step(i + 16, false, odd);
+  }
+  if (i < body) {
+    step(i, false, even);
+    if (tail) step(body, true, odd);
+  } else if (tail) {
+    step(body, true, even);
+  }
   for (int a = 0; a < OB; ++a)
     for (int b = 0; b < TB; ++b) {
-      const float s = hsum(acc[a][b]);
+      const float s = hsum(_mm512_add_ps(acc[a][b][0], acc[a][b][1]));
       y[t + b][o + a] = w.bias ? s + w.bias[o + a] : s;
     }
 }
 
+// Input rows 4 at a time against 1 weight row, 2 at a time against more (the accumulators, two
+// per output, fill the registers).
 template <Kind K, int OB>
 void linear_tiles(const float* const* x, int64_t rows, const Mat& w, int64_t o, float* const* y) {
+  constexpr int TB = OB == 1 ? 4 : 2;
   int64_t t = 0;
-  for (; t + 4 <= rows; t += 4) linear_tile<K, OB, 4>(x, w, o, t, y);
+  for (; t + TB <= rows; t += TB) linear_tile<K, OB, TB>(x, w, o, t, y);
   switch (rows - t) {
     case 3: linear_tile<K, OB, 3>(x, w, o, t, y); break;
     case 2: linear_tile<K, OB, 2>(x, w, o, t, y); break;
@@ -264,13 +294,13 @@ inline const float* weight_row(const Mat& w, int64_t o, std::vector<float>& row)
 // Up to this many input rows, a weight is read one row at a time (tiles of 1 weight row): its
 // bytes stream in address order, which the hardware prefetcher follows at close to the DRAM
 // rate; 4 rows read side by side (4 streams a row's length apart) reached about half of it. With
-// more input rows, the 4 x 4 tile's reuse of each loaded input matters more.
+// more input rows, the 4-row tile's reuse of each loaded input matters more.
 constexpr int64_t kStreamRows = 2;
 
 // y[t][o] = x[t] . w[o] (+ bias[o]) for o in [o0, o1) and every row t < rows, in tiles of 4
-// weight rows x 4 input rows (1 weight row for a batch of up to kStreamRows): each weight row is
-// read once for all the rows. The tile shape changes no result: every output element is the
-// same chain of fused multiply-adds in column order.
+// weight rows x 2 input rows (1 weight row x 4 for a batch of up to kStreamRows): each weight
+// row is read once for all the rows. The tile shape changes no result: every output element is
+// the same two chains of fused multiply-adds (see dot).
 template <Kind K>
 void linear_block(const float* const* x, int64_t rows, const Mat& w, int64_t o0, int64_t o1,
                   float* const* y) {
