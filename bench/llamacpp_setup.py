@@ -4,7 +4,7 @@ Build: `pip download --no-deps --no-binary :all: llama-cpp-python==VERSION` fetc
 whose `vendor/llama.cpp` is built with cmake for this CPU (GGML_NATIVE, Release, static, no web
 UI, no network code) into `CACHE/build`; a later run finds the binaries there and skips it.
 
-Conversion, with llama.cpp's own `convert_hf_to_gguf.py`, needs two things a transformers-5
+Conversion, with llama.cpp's own `convert_hf_to_gguf.py`, needs what a transformers-5
 `glm_moe_dsa` checkpoint does not give it:
 
 - per-expert tensors. transformers 5 saves the routed experts fused (`mlp.experts.gate_up_proj`
@@ -16,6 +16,8 @@ Conversion, with llama.cpp's own `convert_hf_to_gguf.py`, needs two things a tra
   text and refuses an unknown hash. The shim (`SHIM`) runs the converter's `main()` with only
   `TextModel.get_vocab_base_pre` replaced, returning a fixed name (`glm4`). The benchmark feeds
   token ids to both engines, so the name only matters for text prompts, which it never sends.
+- GLM's special tokens (`[gMASK]`, `<|user|>`, `<|endoftext|>`, `<|observation|>`), which the
+  converter looks up by name: `add_glm_specials` adds those a test tokenizer lacks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from safetensors.torch import load_file, save_file
 DEFAULT_VERSION = "0.3.36"
 TARGETS = ("llama-server", "llama-bench", "llama-cli")
 PRE_TOKENIZER = "glm4"
+GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")
 SHIM = """
 import sys
 sys.path[:0] = [{src!r}, {gguf_py!r}]
@@ -125,7 +128,24 @@ def write_converter_layout(checkpoint: Path, out: Path) -> Path:
     for file in sorted(checkpoint.glob("*.safetensors")):
         tensors.update(load_file(file))
     save_file(split_experts(tensors), out / "model.safetensors", metadata={"format": "pt"})
+    add_glm_specials(out / "tokenizer.json")
     return out
+
+
+def add_glm_specials(tokenizer: Path) -> None:
+    """The converter's GLM vocabulary looks up four special tokens by name; a test tokenizer
+    without some of them gets them added at the next free ids (the benchmark sends ids only)."""
+    data = json.loads(tokenizer.read_text())
+    added = data.setdefault("added_tokens", [])
+    names = {t["content"] for t in added}
+    used = [*data["model"]["vocab"].values(), *(t["id"] for t in added)]
+    next_id = max(used) + 1
+    for name in GLM_SPECIALS:
+        if name not in names:
+            added.append({"id": next_id, "content": name, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True})  # fmt: skip
+            next_id += 1
+    tokenizer.write_text(json.dumps(data))
 
 
 def converter_command(source: Path, layout: Path, gguf: Path, outtype: str = "f32") -> list[str]:

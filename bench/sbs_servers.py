@@ -110,9 +110,9 @@ def server_env(threads: int) -> dict[str, str]:
             "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
 
 
-def dsaserve_command(model: Path, extra: list[str]) -> list[str]:
+def dsaserve_command(model: Path, extra: list[str], dtype: str = "float32") -> list[str]:
     return [sys.executable, "-m", "dsaserve.cli", "serve", "--model-path", str(model),
-            "--host", "127.0.0.1", "--port", "0", "--dtype", "float32", *extra]  # fmt: skip
+            "--host", "127.0.0.1", "--port", "0", "--dtype", dtype, *extra]  # fmt: skip
 
 
 def peer_command(model: Path, port: int) -> list[str]:
