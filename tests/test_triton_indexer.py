@@ -53,6 +53,18 @@ def test_tensor_core_scores_and_topk_within_the_bound(cache_kind: str, page_size
     from dsaserve.kernels import triton_indexer
 
     q, w, cache, table, valid = _paged_case(cache_kind, page_size)
+    want, bound = _assert_scores_within_bound(q, w, cache, table, valid)
+    picks = triton_indexer.indexer_decode_topk(q, w, cache, table, valid, 64)
+    want_picks = reference.indexer_decode_topk(q, w, cache, table, valid, 64)
+    _assert_same_selection(picks, want_picks, want, bound)
+    assert torch.equal(picks, want_picks)  # no near-tie at the cut in these draws
+
+
+def _assert_scores_within_bound(q, w, cache, table, valid):
+    """The kernel's scores: -inf where the reference's are, else within `score_bound` of them.
+    Returns (reference scores, bound)."""
+    from dsaserve.kernels import triton_indexer
+
     got = triton_indexer.indexer_scores(q, w, cache, table, valid)
     keys = KV_STORE.read_key(cache, table, torch.float32)
     want = reference.indexer_scores(q, w, keys, valid)
@@ -60,10 +72,7 @@ def test_tensor_core_scores_and_topk_within_the_bound(cache_kind: str, page_size
     finite = want.isfinite()
     bound = triton_indexer.score_bound(q, w, keys)
     assert ((got - want).abs()[finite] <= bound[finite]).all()
-    picks = triton_indexer.indexer_decode_topk(q, w, cache, table, valid, 64)
-    want_picks = reference.indexer_decode_topk(q, w, cache, table, valid, 64)
-    _assert_same_selection(picks, want_picks, want, bound)
-    assert torch.equal(picks, want_picks)  # no near-tie at the cut in these draws
+    return want, bound
 
 
 def test_a_program_walks_several_blocks(monkeypatch) -> None:
@@ -95,13 +104,7 @@ def test_scores_and_topk_match_reference(fp8: bool) -> None:
     from dsaserve.kernels import triton_indexer
 
     q, w, cache, table, valid = _case(fp8)
-    got = triton_indexer.indexer_scores(q, w, cache, table, valid)
-    keys = reference.KV_STORE.read_key(cache, table, torch.float32)
-    want = reference.indexer_scores(q, w, keys, valid)
-    assert torch.equal(got.isinf(), want.isinf())
-    finite = want.isfinite()
-    bound = triton_indexer.score_bound(q, w, keys)
-    assert ((got - want).abs()[finite] <= bound[finite]).all()
+    _assert_scores_within_bound(q, w, cache, table, valid)
     picks = triton_indexer.indexer_decode_topk(q, w, cache, table, valid, 8)
     assert torch.equal(picks, reference.indexer_decode_topk(q, w, cache, table, valid, 8))
 
