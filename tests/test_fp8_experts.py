@@ -18,7 +18,7 @@ from triton_env import needs_triton
 from dsaserve import LLM, SamplingParams
 from dsaserve.engine.decode import cuda_graph
 from dsaserve.kernels import triton_moe
-from dsaserve.kernels.block_fp8 import FP8_DTYPE, dequantize_block_fp8
+from dsaserve.kernels.block_fp8 import FP8_DTYPE, dequantize_block_fp8, e4m3_to_float
 from dsaserve.layers.fp8_experts import Fp8Experts, keep_fp8_experts
 from dsaserve.layers.moe import Experts, MoE
 from dsaserve.model_config import ModelConfig
@@ -171,3 +171,14 @@ def test_an_unquantised_checkpoint_into_fp8_experts_is_refused(folders) -> None:
     keep_fp8_experts(model, triton_moe.grouped_experts)
     with pytest.raises(CheckpointError, match="is not block-FP8"):
         load_checkpoint(model, src, torch.float32, show_progress=False)
+
+
+def test_e4m3_to_float_is_torchs_conversion_for_every_byte() -> None:
+    """The bit-moving conversion the dequantisation uses gives torch's value for each of the 256
+    e4m3 bytes but the NaNs (signed zeros and subnormals included)."""
+    every = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE)
+    want, got = every.float(), e4m3_to_float(every)
+    numbers = ~want.isnan()
+    assert int(numbers.sum()) == 254
+    assert torch.equal(got[numbers], want[numbers])
+    assert torch.equal(got[numbers].signbit(), want[numbers].signbit())

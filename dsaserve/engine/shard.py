@@ -16,13 +16,7 @@ from dsaserve.args import ServerArgs, speculative_settings
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.engine.kvcache.pool import KVPool
 from dsaserve.engine.kvcache.sizing import build_pool
-from dsaserve.engine.startup import (
-    default_threads,
-    map_large_allocations,
-    pick_device,
-    pick_dtype,
-    release_free_heap,
-)
+from dsaserve.engine.startup import default_threads, pick_device, pick_dtype, release_free_heap
 from dsaserve.kernels.registry import Kernels, choose_kernels
 from dsaserve.layers.fp8_experts import expert_bytes
 from dsaserve.model_config import ModelConfig
@@ -60,7 +54,6 @@ def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool =
     `own_threads`: this process takes its torch threads from --threads (the leader's engine; a
     follower's are shared out before, runtime/ranks.py)."""
     device = rank_device(args.device, parallel)
-    map_large_allocations()
     if own_threads and device.type == "cpu":  # default: OMP_NUM_THREADS, else the cores
         torch.set_num_threads(default_threads(args.threads))
     elif own_threads and args.threads is not None:

@@ -72,24 +72,6 @@ def generation_defaults(path: Path) -> dict:
     return {k: raw[k] for k in keep if raw.get(k) is not None}
 
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD = 1 << 20
-
-
-def map_large_allocations() -> None:
-    """Make glibc serve every allocation of 1 MiB or more with its own mapping, given back to the
-    OS when freed. By default glibc raises that threshold each time such a block is freed (up to
-    32 MiB), after which large transients (the layered path's FP8 tiles and experts dequantised
-    a call at a time, prefill activations) come from the heap and stay resident after their
-    frees: a block-FP8 server grew from 2.0 to 4.1 GB over a few requests. Setting the threshold
-    fixes it; a mapping costs its page faults, small beside the work that fills it. Without
-    glibc: nothing."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
 def release_free_heap() -> None:
     """Give back to the OS the heap glibc keeps after frees (`malloc_trim`): loading and
     converting weights, and stacking them for the decode step, free large temporaries that would
