@@ -243,8 +243,9 @@ def run(args) -> list[dict]:
     vocab = json.loads((entries[1]["path"] / "config.json").read_text())["vocab_size"]
     kv_tokens = max(PROMPT + args.tokens, CHAT_PROMPT + args.chat_tokens) * args.concurrent + 256
     print("| engine | checkpoint | threads | repeat | batch 1 tok/s | "
-          f"{args.concurrent} concurrent tok/s | resident GB | of stream |")  # fmt: skip
-    print("|---|---|---:|---:|---:|---:|---:|---:|", flush=True)
+          f"{args.concurrent} concurrent tok/s | resident GB | ÷ (checkpoint + KV) | "
+          "of stream |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for threads in args.threads:
         for repeat in range(args.repeats):
             stream = stream_bandwidth(threads) * 1e9
@@ -267,11 +268,13 @@ def run(args) -> list[dict]:
 def row_line(row: dict, concurrent: int) -> str:
     head = f"| {row['engine']} | {row['checkpoint']} | {row['threads']} | {row['repeat']} |"
     if "error" in row:
-        return f"{head} {row['error']} | | | |"
+        return f"{head} {row['error']} | | | | |"
     share = (f"{100 * row['step_bytes'] * row['batch1_tok_s'] / row['stream_bytes_s']:.0f}%"
              if row["step_bytes"] else "–")  # fmt: skip
+    held = (f"{row['resident_bytes'] / (row['checkpoint_bytes'] + row['kv_pool_bytes']):.2f}"
+            if "kv_pool_bytes" in row else "–")  # fmt: skip
     return (f"{head} {row['batch1_tok_s']:.1f} | {row['concurrent_tok_s']:.1f} | "
-            f"{row['resident_bytes'] / 1e9:.2f} | {share} |")  # fmt: skip
+            f"{row['resident_bytes'] / 1e9:.2f} | {held} | {share} |")  # fmt: skip
 
 
 def summary(rows: list[dict]) -> list[str]:
