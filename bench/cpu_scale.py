@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import threading
@@ -41,6 +40,7 @@ PEER_ENV = dict(os.environ)
 import httpx
 import llamacpp_setup as setup  # (bench/ is the script's folder)
 from decode_profile import stream_bandwidth
+from llamacpp import random_prompt
 from resident_memory import checkpoints, model_arguments
 from sbs_servers import ServerSpec, dsaserve_command, free_port, group_members, running
 
@@ -155,9 +155,8 @@ def tokens_at(marks: list[tuple[float, int]], when: float) -> int:
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random token ids above the low (special) ids, distinct per seed: no prefix is reused."""
-    rng = random.Random(seed)
-    return [[rng.randrange(32, vocab) for _ in range(length)] for _ in range(count)]
+    """`count` of bench/llamacpp.py's random prompts, distinct per seed: no prefix is reused."""
+    return [random_prompt(length, vocab, 1000 * seed + i) for i in range(count)]
 
 
 def decode_rate(engine: str, url: str, shape: tuple[int, int], tokens: int, vocab: int) -> float:
@@ -224,7 +223,7 @@ def contenders(args) -> list[dict]:
     work = cache / "models" / folders["bf16"].name
     gguf = {kind: setup.convert(source, folders["bf16"], work, kind) for kind in ("bf16", "q8_0")}
     steps = {name: step_weight_bytes(folder) for name, folder in folders.items()}
-    return [
+    entries = [
         {"engine": "llama.cpp", "checkpoint": "bf16 GGUF", "path": gguf["bf16"], "bin": bin_dir,
          "step_bytes": steps["bf16"]},
         {"engine": "dsaserve", "checkpoint": "bf16", "path": folders["bf16"],
@@ -236,6 +235,7 @@ def contenders(args) -> list[dict]:
         {"engine": "dsaserve", "checkpoint": "NVFP4", "path": folders["NVFP4"],
          "step_bytes": steps["NVFP4"]},
     ]  # fmt: skip
+    return [{**entry, "bytes": checkpoint_bytes(entry["path"])} for entry in entries]
 
 
 def run(args) -> list[dict]:
@@ -248,7 +248,7 @@ def run(args) -> list[dict]:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for threads in args.threads:
         for repeat in range(args.repeats):
-            stream = stream_bandwidth(threads) * 1e9
+            stream_rate = stream_bandwidth(threads) * 1e9
             for c in entries:
                 env = {**(PEER_ENV if c["engine"] == "llama.cpp" else os.environ),
                        "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -256,16 +256,15 @@ def run(args) -> list[dict]:
                         if c["engine"] == "llama.cpp"
                         else dsaserve_spec(c["path"], threads, kv_tokens))  # fmt: skip
                 row = {"engine": c["engine"], "checkpoint": c["checkpoint"], "threads": threads,
-                       "repeat": repeat + 1, "stream_bytes_s": stream,
-                       "checkpoint_bytes": checkpoint_bytes(c["path"]),
-                       "step_bytes": c["step_bytes"],
+                       "repeat": repeat + 1, "stream_bytes_s": stream_rate,
+                       "checkpoint_bytes": c["bytes"], "step_bytes": c["step_bytes"],
                        **try_measure(spec, args, env, vocab)}  # fmt: skip
                 rows.append(row)
-                print(row_line(row, args.concurrent), flush=True)
+                print(row_line(row), flush=True)
     return rows
 
 
-def row_line(row: dict, concurrent: int) -> str:
+def row_line(row: dict) -> str:
     head = f"| {row['engine']} | {row['checkpoint']} | {row['threads']} | {row['repeat']} |"
     if "error" in row:
         return f"{head} {row['error']} | | | | |"
