@@ -179,8 +179,10 @@ KERNELS = (
     flag("--enable-torch-compile", **ON, help="`torch.compile` the fused decode step (dynamic "
          "shapes; compiles for minutes on a CPU)"),
     flag("--threads", type=int, default="`OMP_NUM_THREADS` if set, else the physical cores",
-         help="CPU threads for the engine's kernels and the native decode pool "
-         "(`/get_server_info` and `dsaserve bench` report them); the engine processes get "
+         help="CPU threads for the engine's kernels and the native decode pool, per rank "
+         "(ranks without it: their `SGLANG_CPU_OMP_THREADS_BIND` range, else the cores shared "
+         "out; docs/parallel.md) (`/get_server_info` and `dsaserve bench` report them); the "
+         "engine processes get "
          "`GOMP_SPINCOUNT=10000` unless `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY` is set "
          "(`runtime/omp.py`)"),
 )  # fmt: skip

@@ -2,8 +2,8 @@
 if-chain in `ModelRunner.forward` chose before it (kept below as `chain_choice`, as it was
 written), over the flags and layouts that change it: native layers, the fused Python path, the
 layered model, CUDA graphs (forced on CPU, where the runner replays the padded static step
-eagerly), EAGLE speculation, and `--tp 2` ranks. Each case also names the path an all-decode
-step takes, so a path that stops being built fails here too."""
+eagerly), EAGLE speculation, and `--tp 2` ranks (native or not). Each case also names the path
+an all-decode step takes, so a path that stops being built fails here too."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dsaserve.engine.decode import cuda_graph
 from dsaserve.engine.decode.paths import Step
 from dsaserve.engine.decode.rows import all_decodes
 from dsaserve.engine.messages import GenerateRequest
+from dsaserve.engine.ranks.rounds import DistributedModel
 from dsaserve.engine.scheduler import ScheduledBatch
 
 BASE = dict(page_size=4, max_total_tokens=1024, dtype="float32")
@@ -31,14 +32,20 @@ CASES = {
     "eagle": ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2}, "native"),
     "eagle-graphs": ({"speculative_algorithm": "EAGLE", "speculative_num_steps": 2,
                       "disable_native_decode": True, "graphs": True}, "cuda_graph"),
-    "tp2": ({"tp_size": 2}, "layered"),
+    "tp2": ({"tp_size": 2}, "native"),
+    "tp2-layered": ({"tp_size": 2, "disable_native_decode": True}, "layered"),
 }  # fmt: skip
 
 
 def chain_choice(runner, scheduled: ScheduledBatch, all_rows: bool) -> str:
-    """`ModelRunner.forward`'s if-chain before the paths list (its choice, not its work)."""
+    """`ModelRunner.forward`'s if-chain before the paths list (its choice, not its work), with
+    the rule added since: ranks whose every one built its native layers run all-decode steps
+    there."""
     step = runner.decode_step
     if step is not None and step.native is not None and not all_rows and all_decodes(scheduled):
+        return "native"
+    ranks = isinstance(runner.model, DistributedModel) and runner.model.native
+    if ranks and not all_rows and all_decodes(scheduled):
         return "native"
     batch, _ = runner.build(scheduled)
     if runner.graphs is not None and runner.graphs.accepts(batch):

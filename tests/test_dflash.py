@@ -114,7 +114,10 @@ def test_tensor_parallel_ranks_equal_plain(prompts, tmp_path):
                                                                    use_tqdm=False)]  # fmt: skip
     with _llm(target, drafter, tp_size=2) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert llm.engine.stats()["spec_verify_ct"] > 0
+        stats = llm.engine.stats()
+        assert stats["spec_verify_ct"] > 0
+        # every rank's verify forward ran its native layers (taps copied out in the C++ call)
+        assert stats["rank_decode_paths"] == ["native"] * 2 and stats["native_rank_rounds"] > 0
     assert got == want
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from proc_sockets import alive
 from server_harness import (
     Server,
@@ -80,7 +81,9 @@ def complete(client: openai.OpenAI, prompt: list[int]) -> tuple[str, list[float]
     return r.choices[0].text, list(r.choices[0].logprobs.token_logprobs)
 
 
-def check_layout(server, expected) -> dict:
+def check_layout(server, expected, paths: list[str]) -> dict:
+    """The layout's tokens and logprobs are the one-process engine's; `paths`: the decode path
+    each rank reports for all-decode steps (native ones must have run)."""
     client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # batched together (and across DP groups)
         got = list(pool.map(lambda p: complete(client, p), PROMPTS))
@@ -89,8 +92,11 @@ def check_layout(server, expected) -> dict:
         assert text == want_text and len(lps) == len(want_lps) == NEW
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-4
     info = httpx.get(server.url + "/get_server_info", timeout=60).json()
-    assert info["internal_states"][0]["cached_tokens"] >= 32
-    return info["internal_states"][0]
+    stats = info["internal_states"][0]
+    assert stats["cached_tokens"] >= 32
+    assert (stats.get("dp_groups") or [stats])[0]["rank_decode_paths"] == paths
+    assert (stats["native_rank_rounds"] > 0) == (paths[0] == "native")
+    return stats
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -162,18 +168,18 @@ def cmdline(pid: int) -> str:
 
 def test_glm_eagle_tp_and_dp_attention_layouts(glm, glm_expected):
     expected = glm_expected
-    with running_server(glm, *COMMON, *EAGLE, "--tp", "2") as server:
-        check_layout(server, expected)
+    with running_server(glm, *COMMON, *EAGLE, "--tp", "2") as server:  # verify rows: native
+        check_layout(server, expected, ["native"] * 2)
     flags = ["--tp", "4", "--dp", "2", "--ep", "4", "--enable-dp-attention",
              "--moe-a2a-backend", "deepep"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
-        stats = check_layout(server, expected)
+        stats = check_layout(server, expected, ["native"] * 4)
         assert len(stats["dp_groups"]) == 2
         assert "DeepEP is not available" in server.output()
     flags = ["--tp", "2", "--dp", "2", "--enable-dp-attention",
              "--load-balance-method", "shortest_queue", "--enable-metrics"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
-        stats = check_layout(server, expected)
+        stats = check_layout(server, expected, ["native"] * 2)
         groups = stats["dp_groups"]
         assert all(g["prompt_tokens"] > 0 for g in groups)  # both groups served requests
         assert stats["prompt_tokens"] == sum(g["prompt_tokens"] for g in groups)
@@ -195,7 +201,7 @@ def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
     flags = ["--tp", "2", "--dp", "2", "--load-balance-method", "round_robin",
              "--enable-hierarchical-cache"]  # fmt: skip
     with running_server(glm, *COMMON, *EAGLE, *flags) as server:
-        check_layout(server, glm_expected)
+        check_layout(server, glm_expected, ["native"] * 2)
         client = openai.OpenAI(base_url=server.base, api_key="x", max_retries=0, timeout=240)
         for k in range(2):  # new prefixes, one after the other: one to each replica (whole pages)
             complete(client, [(7 * i + k) % 290 + 3 for i in range(20)])
@@ -222,15 +228,30 @@ def test_dp_replicas_each_of_tp_ranks(glm, glm_expected):
         assert_gone(group_members(server.process.pid))
 
 
-def test_offline_llm_drives_the_same_ranks(deepseek):
+def test_offline_llm_drives_the_same_ranks(deepseek, monkeypatch):
+    """The offline LLM's ranks, each bound to its core (SGLANG_CPU_OMP_THREADS_BIND) with
+    `threads` per rank, decode on their native layers; rank 0 is this process (its binding and
+    threads are put back after)."""
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     kw = dict(dtype="float32", max_total_tokens=2048, page_size=16, chunked_prefill_size=16)
     want = LLM(str(deepseek), **kw).generate(PROMPTS, params, use_tqdm=False)
     before = children(os.getpid())
-    with LLM(str(deepseek), tp_size=2, ep_size=2, **kw) as llm:
-        ranks = [pid for pid in children(os.getpid()) if pid not in before]
-        assert len(ranks) == 1
-        got = llm.generate(PROMPTS, params, use_tqdm=False)
+    cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    first, second = sorted(cores)[:2]
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", f"{first}|{second}")
+    try:
+        with LLM(str(deepseek), tp_size=2, ep_size=2, threads=1, **kw) as llm:
+            ranks = [pid for pid in children(os.getpid()) if pid not in before]
+            assert len(ranks) == 1
+            assert os.sched_getaffinity(0) == {first} and os.sched_getaffinity(ranks[0]) == {second}
+            assert torch.get_num_threads() == 1
+            got = llm.generate(PROMPTS, params, use_tqdm=False)
+            stats = llm.engine.stats()
+            assert stats["rank_decode_paths"] == ["native"] * 2
+            assert stats["native_rank_rounds"] > 0
+    finally:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(threads)
     for a, b in zip(want, got):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
@@ -295,14 +316,14 @@ def test_deepseek_tp_ep_and_two_nodes(deepseek):
     expected = reference(deepseek, spec=False)
     flags = [*COMMON, "--tp", "2", "--ep", "2", "--watchdog-timeout", "15"]
     with running_server(deepseek, *flags) as server:
-        check_layout(server, expected)
+        check_layout(server, expected, ["native"] * 2)
         hang_rank(server)
     nodes = ["--tp", "2", "--nnodes", "2"]
     node1 = Node1(deepseek, *COMMON, *nodes)
     try:
         with running_server(deepseek, *COMMON, *nodes, "--dist-init-addr", NODE0_ADDR,
                             "--node-rank", "0", while_starting=node1) as server:  # fmt: skip
-            check_layout(server, expected)
+            check_layout(server, expected, ["layered"] * 2)  # no shared memory across nodes
             stop_node1_rank(server, children(node1.process.pid)[0])
             kill_rank_mid_stream(server, node1.process.pid)  # node 1 (launcher; its rank follows)
         assert node1.process.wait(30) is not None  # hang guard
@@ -319,7 +340,7 @@ def test_dp_attention_across_two_nodes(glm, glm_expected):
     try:
         with running_server(glm, *COMMON, *EAGLE, *nodes, "--dist-init-addr", NODE0_ADDR,
                             "--node-rank", "0", while_starting=node1) as server:  # fmt: skip
-            stats = check_layout(server, glm_expected)
+            stats = check_layout(server, glm_expected, ["layered"] * 2)
             assert all(g["prompt_tokens"] > 0 for g in stats["dp_groups"])  # both groups
             info = httpx.get(server.url + "/get_server_info", timeout=30).json()
             assert info["dp_group_pids"][1] in group_members(node1.process.pid)  # group 1, node 1

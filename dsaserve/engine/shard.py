@@ -51,9 +51,10 @@ def build_shard(args: ServerArgs, parallel: ParallelState, show_progress: bool =
                 own_threads: bool = False) -> Shard:  # fmt: skip
     """This rank's shard. With more than one rank it is a collective (the FP8 reports and the
     pool's page count are gathered): every rank of the layout calls it once, in step.
-    `own_threads`: this process takes its torch threads from --threads (the leader's engine; a
-    follower's are shared out before, runtime/ranks.py)."""
+    `own_threads`: this process takes its torch threads from --threads (a one-rank engine;
+    every rank of several takes them in runtime/ranks.py `rank_threads`)."""
     device = rank_device(args.device, parallel)
+    own_threads = own_threads and parallel.world == 1  # ranks: runtime/ranks.py rank_threads
     if own_threads and device.type == "cpu":  # default: OMP_NUM_THREADS, else the cores
         torch.set_num_threads(default_threads(args.threads))
     elif own_threads and args.threads is not None:

@@ -25,6 +25,10 @@ def report(engine: Any) -> dict:
         "kernel_backends": dict(engine.kernels.names),
         "cpu_threads": torch.get_num_threads(),
         "decode_path": decode_path(engine),
+        # with ranks (the leader's DistributedModel): each rank's path for all-decode steps
+        # (native only where every rank's is), and the rounds that ran it
+        "rank_decode_paths": getattr(engine.model, "rank_paths", None) or [decode_path(engine)],
+        "native_rank_rounds": getattr(engine.model, "native_rounds", 0),
         "fp8_linears_kept": shard.fp8_kept.linears,
         "fp8_expert_layers_kept": shard.fp8_kept.expert_layers,
         "routed_expert_bytes": shard.routed_expert_bytes,

@@ -8,7 +8,9 @@
 // indexer's scoring by keys; the routed experts by their output columns), with a barrier
 // between phases. Every output element is computed by one thread in a fixed order, so the
 // result does not depend on the thread count. Weights are fp32 or bf16, the pool fp32, bf16 or
-// FP8 (cpu_decode_kv.h); activations are fp32. Built at first use by engine/decode/native.py.
+// FP8 (cpu_decode_kv.h); activations are fp32. Under --tp / --ep each rank runs its shard of the
+// step here, the partial sums and the vocab-parallel parts exchanged over shared memory inside
+// the call (cpu_decode_comm.h). Built at first use by engine/decode/native.py.
 
 #include <torch/extension.h>
 
@@ -20,6 +22,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu_decode_comm.h"
 #include "cpu_decode_indexer.h"
 #include "cpu_decode_kv.h"
 #include "cpu_decode_layer.h"
@@ -55,10 +58,23 @@ class DecodeLayers {
  public:
   DecodeLayers(std::vector<std::vector<Tensor>> tensors, std::vector<std::vector<Tensor>> scales,
                std::vector<std::vector<Tensor>> row_scales, std::vector<std::vector<int64_t>> ints,
-               std::vector<std::vector<double>> floats, std::vector<Tensor> head, double norm_eps) {
+               std::vector<std::vector<double>> floats, std::vector<Tensor> head, double norm_eps,
+               int64_t embed_start, int64_t vocab) {
     for (size_t l = 0; l < tensors.size(); ++l)
       layers_.emplace_back(tensors[l], scales[l], row_scales[l], ints[l], floats[l]);
-    head_ = Head(head, norm_eps);
+    head_ = Head(head, norm_eps, embed_start, vocab);
+  }
+
+  // This rank's place in its ranks' shared-memory files (distributed/shm_comm.py's mappings,
+  // kept alive here): the world's, and its attention group's where that is a smaller group
+  // (DP attention with several ranks a group; `attn` false: the world's, or none).
+  void set_comm(const Tensor& memory, int64_t ranks, int64_t index, double timeout, bool attn) {
+    TORCH_CHECK(memory.scalar_type() == torch::kByte && memory.is_contiguous() &&
+                    memory.numel() >= ranks * (Comm::kFlagStride * 8 + 2 * Comm::kSlotBytes) &&
+                    ranks <= 64 && index >= 0 && index < ranks,
+                "set_comm: a shared-memory group's mapping");
+    (attn ? attn_memory_ : world_memory_) = memory;
+    (attn ? attn_ : world_) = Comm(memory.data_ptr<uint8_t>(), ranks, index, timeout);
   }
 
   // Logits [T, vocab] of a step whose rows each decode one token: row t (token ids[t] at
@@ -66,9 +82,15 @@ class DecodeLayers {
   // slots[t, :p + 1]. cos / sin [positions, rope / 2] are the rotary tables. `taps` (layer
   // indices, a DFlash drafter's target layers) copy each layer's output into `tapped` [T,
   // taps * hidden] fp32 (the last layer's after the final norm); none: `tapped` is empty.
+  // Without `with_logits` the LM head is skipped (the logits returned are empty): the taps
+  // are what the caller wants.
+  // DP attention: `group_rows` (every attention group's rows, `attn_tp` ranks a group; this
+  // rank's group `group`) go through the MLP block and the LM head together; empty: one group.
   Tensor forward(const Tensor& ids, const Tensor& positions, const Tensor& slots,
                  const Tensor& kv_cache, const Tensor& index_cache, const Tensor& cos,
-                 const Tensor& sin, const std::vector<int64_t>& taps, const Tensor& tapped) {
+                 const Tensor& sin, const std::vector<int64_t>& taps, const Tensor& tapped,
+                 bool with_logits, const std::vector<int64_t>& group_rows, int64_t group,
+                 int64_t attn_tp) {
     for (const Tensor* t : {&ids, &positions, &slots})
       TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "int64, contiguous");
     TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(),
@@ -77,6 +99,19 @@ class DecodeLayers {
     TORCH_CHECK(positions.size(0) == rows && slots.dim() == 2 && slots.size(0) >= rows,
                 "one position and one slot row per token");
     Step s;
+    s.all_rows = rows;
+    int64_t most = rows;
+    if (group_rows.size() > 1) {
+      TORCH_CHECK(world_.active() && group >= 0 && group < static_cast<int64_t>(group_rows.size()) &&
+                      group_rows[group] == rows && attn_tp * static_cast<int64_t>(group_rows.size()) ==
+                      world_.size(), "DP attention: this group's rows among every group's");
+      s.groups = static_cast<int64_t>(group_rows.size());
+      s.group_rows = group_rows.data();
+      s.attn_tp = attn_tp;
+      s.all_rows = std::accumulate(group_rows.begin(), group_rows.end(), int64_t{0});
+      s.own_begin = std::accumulate(group_rows.begin(), group_rows.begin() + group, int64_t{0});
+      most = *std::max_element(group_rows.begin(), group_rows.end());
+    }
     s.rows = rows;
     s.ids = ids.data_ptr<int64_t>();
     s.positions = positions.data_ptr<int64_t>();
@@ -109,15 +144,29 @@ class DecodeLayers {
         TORCH_CHECK(l >= 0 && l < num_layers(), "tap: a layer index");
       s.tapped = tapped.data_ptr<float>();
     }
-    Tensor logits = torch::empty({rows, head_.vocab}, cos.options());
-    s.logits = logits.data_ptr<float>();
+    TORCH_CHECK(with_logits || !taps.empty(), "a step without logits needs taps");
+    Tensor logits = torch::empty({with_logits ? rows : 0, head_.vocab}, cos.options());
+    s.logits = logits.data_ptr<float>();  // (no rows: maybe null, and never written)
+    s.with_logits = with_logits;
     const int threads = std::max(1, std::min<int>(threads_ ? threads_ : at::get_num_threads(), 64));
-    scratch_.size(layers_, head_, rows, longest, threads);
+    scratch_.size(layers_, head_, rows, longest, threads, world_.size(), s.all_rows, most);
+    if (world_.active()) s.world = &world_;
+    s.attn = attn_.active() ? &attn_ : s.dp() ? nullptr : s.world;  // DP: the group's, if any
     run(s, threads);
+    TORCH_CHECK(world_.error.empty(), world_.error);
+    TORCH_CHECK(attn_.error.empty(), attn_.error);
     return logits;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The sequence number of the shared-memory group's last message: handed over from the Python
+  // group before a step and back after it (both write the same file, in turn).
+  int64_t comm_seq() const { return world_.seq; }
+  void set_comm_seq(int64_t seq) { world_.seq = seq; }
+  double comm_wait() const { return world_.waited + attn_.waited; }
+  int64_t attn_seq() const { return attn_.seq; }
+  void set_attn_seq(int64_t seq) { attn_.seq = seq; }
 
   // Layer l's output rows (`from` [T, hidden]) into each tapped column block naming l, for
   // this thread's rows (the rows it wrote itself, so no barrier is needed).
@@ -191,6 +240,8 @@ class DecodeLayers {
 
   std::vector<Layer> layers_;
   Head head_;
+  Comm world_, attn_;
+  Tensor world_memory_, attn_memory_;
   Scratch scratch_;
   std::vector<int64_t> lengths_, out_slots_;
 };
@@ -242,9 +293,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<std::vector<torch::Tensor>>,
                           std::vector<std::vector<torch::Tensor>>,
                           std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>,
-                          std::vector<torch::Tensor>, double>())
+                          std::vector<torch::Tensor>, double, int64_t, int64_t>())
       .def("forward", &dsa::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &dsa::DecodeLayers::num_layers)
+      .def("set_comm", &dsa::DecodeLayers::set_comm)
+      .def_property("comm_seq", &dsa::DecodeLayers::comm_seq, &dsa::DecodeLayers::set_comm_seq)
+      .def_property("attn_seq", &dsa::DecodeLayers::attn_seq, &dsa::DecodeLayers::set_attn_seq)
+      .def_property_readonly("comm_wait", &dsa::DecodeLayers::comm_wait)
       .def_readwrite("threads", &dsa::DecodeLayers::threads_)
       .def_property_readonly("thread_steps", &dsa::DecodeLayers::thread_steps);
   // One row's index scores over its keys in the pool: q [H, D] and w [H] fp32, pool [S, D],

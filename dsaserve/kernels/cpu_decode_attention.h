@@ -84,14 +84,30 @@ inline void Layer::queries(const Ctx& c) const {
   c.barrier();
 }
 
+// This rank's k best of a row (fewer where its share of the keys is short, the rest marked by
+// position -1), as (score, position) slots of the candidates every rank sends.
+inline void share_best(std::vector<Cand>& all, int64_t k, RankCand* out) {
+  const int64_t n = std::min<int64_t>(k, all.size());
+  std::nth_element(all.begin(), all.begin() + std::max<int64_t>(n - 1, 0), all.end(), better);
+  for (int64_t j = 0; j < k; ++j)
+    out[j] = j < n ? RankCand{all[j].first, static_cast<int32_t>(all[j].second)} : RankCand{0, -1};
+}
+
 // The top-k of each row longer than topk: its keys dealt to the threads (each a range of the
 // concatenated rows, scored and reduced to its own k best), then the ranges merged per row.
+// Under --tp the attention group's ranks (which hold the same rows and keys) each score their
+// share of the keys, and exchange their k best per row before the merge: the same scores and
+// the same earliest-wins merge, so the same picks as one rank.
 inline void Layer::select(const Ctx& c, const Rows& keys) const {
   Scratch& w = c.w;
   const Step& s = c.s;
   int64_t total = 0;
   for (int64_t t = 0; t < s.rows; ++t) total += s.lengths[t] > topk ? s.lengths[t] : 0;
-  const auto [lo, hi] = share(total, c.tid, c.nth, 64);
+  Comm* group = s.attn && s.attn->active() ? s.attn : nullptr;
+  const int64_t ranks = group ? group->size() : 1, me = group ? group->index() : 0;
+  const auto [rlo, rhi] = share(total, static_cast<int>(me), static_cast<int>(ranks), 64);
+  auto [lo, hi] = share(rhi - rlo, c.tid, c.nth, 64);  // this thread's part of this rank's
+  lo += rlo, hi += rlo;
   int64_t start = 0;
   const int64_t stride = w.scores.size() / std::max<int64_t>(s.rows, 1);
   for (int64_t t = 0; t < s.rows; ++t) {
@@ -118,6 +134,36 @@ inline void Layer::select(const Ctx& c, const Rows& keys) const {
     for (int k = 0; k < c.nth; ++k) {
       const auto& part = w.cands[t * c.nth + k];
       all.insert(all.end(), part.begin(), part.end());
+    }
+    if (group) {
+      share_best(all, topk, w.rank_cands.data() + t * topk);
+    } else {
+      merge_topk(all, topk, w.picks.data() + t * w.topk);
+    }
+  }
+  c.barrier();
+  if (group && total > 0) merge_ranks(c, group);  // (every rank has the same rows)
+}
+
+// Every rank's k best per row, gathered (thread 0), then merged per row into the picks.
+inline void Layer::merge_ranks(const Ctx& c, Comm* group) const {
+  Scratch& w = c.w;
+  const Step& s = c.s;
+  const int64_t ranks = group->size(), n = s.rows * topk;
+  static_assert(sizeof(RankCand) == 2 * sizeof(float), "two floats a candidate");
+  if (c.tid == 0 && n > 0)
+    group->all_gather(reinterpret_cast<const float*>(w.rank_cands.data()), 2 * n,
+                      reinterpret_cast<float*>(w.rank_cands.data() + n));
+  c.barrier();
+  const auto [rb, re] = c.my_rows();
+  thread_local std::vector<Cand> all;
+  for (int64_t t = rb; t < re; ++t) {
+    if (!w.npicks[t]) continue;
+    all.clear();
+    for (int64_t r = 0; r < ranks; ++r) {
+      const RankCand* part = w.rank_cands.data() + n + r * n + t * topk;
+      for (int64_t j = 0; j < topk; ++j)
+        if (part[j].position >= 0) all.emplace_back(part[j].score, part[j].position);
     }
     merge_topk(all, topk, w.picks.data() + t * w.topk);
   }
@@ -172,10 +218,17 @@ inline void Layer::attend(const Ctx& c, const Rows& kv) const {
   }
   c.barrier();
   Job o = Job::linear(w_o, s.rows, w.ov.data(), heads * v, w.attn.data(), w.hidden);
-  o.residual = w.x.data();
-  o.residual_stride = w.hidden;
+  const bool split = s.attn && s.attn->active();  // this rank's heads: a partial sum
+  if (!split) {
+    o.residual = w.x.data();
+    o.residual_stride = w.hidden;
+  }
   run_jobs(&o, 1, c.tid, c.nth);
   c.barrier();
+  if (!split) return;
+  c.all_reduce(s.attn, w.attn.data(), s.rows * w.hidden);
+  const auto [rb, re] = c.my_rows();
+  for (int64_t i = rb * w.hidden; i < re * w.hidden; ++i) w.x[i] += w.attn[i];
 }
 
 }  // namespace dsa

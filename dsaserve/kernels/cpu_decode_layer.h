@@ -16,6 +16,7 @@
 #include <numeric>
 #include <vector>
 
+#include "cpu_decode_comm.h"
 #include "cpu_decode_indexer.h"
 #include "cpu_decode_jobs.h"
 #include "cpu_decode_kv.h"
@@ -35,7 +36,7 @@ enum Slot {
 };
 enum Int {
   kLayerId, kIndexCache, kQLora, kRank, kRope, kIdxDim, kIdxHeads, kHeads, kNope, kV,
-  kIdxInterleave, kTopk, kNGroup, kTopkGroup, kTopK, kNormalise, kNumInts
+  kIdxInterleave, kTopk, kNGroup, kTopkGroup, kTopK, kNormalise, kExpertFirst, kNumInts
 };
 enum Float { kInEps, kQaEps, kKvEps, kPostEps, kIdxEps, kScale, kScaling, kNumFloats };
 
@@ -84,6 +85,12 @@ inline const float* f32(const Tensor& t) {
   return t.data_ptr<float>();
 }
 
+// A candidate of the indexer's top-k as the ranks exchange it (position -1: none).
+struct RankCand {
+  float score;
+  int32_t position;
+};
+
 // What one step computes: the batch (from Python) and where its outputs go.
 struct Step {
   int64_t rows = 0;
@@ -91,9 +98,21 @@ struct Step {
   int64_t slot_stride = 0, half = 0;
   const float *cos, *sin;
   const Tensor *kv_cache, *index_cache;
-  float* logits;
+  float* logits;  // [rows, vocab]
+  bool with_logits = true;  // false: the final norm and the taps only
   const std::vector<int64_t>* taps = nullptr;  // layers whose outputs go to `tapped`
   float* tapped = nullptr;  // [rows, taps * hidden]
+  // Under --tp / --ep (cpu_decode_comm.h): the attention group's collectives (the o_proj's
+  // partial sums, the vocab-parallel embedding) and the world's (the MLP and experts' partial
+  // sums, the vocab-parallel logits); inactive on one rank.
+  Comm* attn = nullptr;
+  Comm* world = nullptr;
+  // DP attention: every attention group's rows (`group_rows`, group g's first rank g *
+  // `attn_tp`) go through the MLP block and the LM head together; this group's rows are
+  // [own_begin, own_begin + rows) of those `all_rows` (one group: all_rows == rows).
+  const int64_t* group_rows = nullptr;
+  int64_t groups = 1, attn_tp = 1, own_begin = 0, all_rows = 0;
+  bool dp() const { return groups > 1; }
 };
 
 struct Layer;
@@ -102,12 +121,15 @@ struct Head;
 // Every buffer of a step, sized once per step for the largest layer (no allocation inside).
 struct Scratch {
   std::vector<float> x, h, parts, qres, qp, qfull, iq, iw, scores, ov, attn, router, gu, act,
-      shared, ew, egu, eact, eout;
+      shared, ew, egu, eact, eout, vocab_part, gathered;
   std::vector<int64_t> picks, eidx, npicks;  // picks [rows, topk]; npicks: 0 = all keys
   std::vector<std::vector<Cand>> cands;  // [rows * threads]: each thread's share of a row
+  std::vector<RankCand> rank_cands;  // --tp: this rank's k best per row, then every rank's
   int64_t hidden = 0, topk = 0, top_k = 0, threads = 1;
+  // `rows`: this group's; `all_rows`: every group's (the MLP block's), `most`: the largest
+  // group's (DP attention; else both are `rows`).
   void size(const std::vector<Layer>& layers, const Head& head, int64_t rows, int64_t length,
-            int threads);
+            int threads, int64_t ranks, int64_t all_rows, int64_t most);
 };
 
 // A thread's view of the running step.
@@ -117,7 +139,32 @@ struct Ctx {
   Pool& pool;
   int tid, nth;
   std::pair<int64_t, int64_t> my_rows() const { return share(s.rows, tid, nth); }
+  // This thread's share of every group's rows (the MLP block's; this group's alone without DP).
+  std::pair<int64_t, int64_t> my_all_rows() const { return share(s.all_rows, tid, nth); }
   void barrier() const { pool.barrier(); }
+  // x [n] summed over `comm`'s ranks by thread 0, between two barriers.
+  void all_reduce(Comm* comm, float* x, int64_t n) const {
+    if (!comm || !comm->active()) return;
+    barrier();
+    if (tid == 0) comm->all_reduce(x, n);
+    barrier();
+  }
+  // DP attention: x [rows, width] (this group's rows) becomes [all_rows, width], every group's
+  // rows in group order (distributed/parallel_state.py gather_groups: each rank sends its
+  // rows padded to the largest group's, group g's are taken from its first rank).
+  void gather_groups(float* x, int64_t width) const {
+    if (!s.dp()) return;
+    barrier();
+    int64_t most = 0;
+    for (int64_t g = 0; g < s.groups; ++g) most = std::max(most, s.group_rows[g]);
+    if (tid == 0 && most > 0) {
+      float* all = w.gathered.data();  // [world, most, width]
+      s.world->all_gather(x, most * width, all);
+      for (int64_t g = 0, at = 0; g < s.groups; at += s.group_rows[g++])
+        std::copy_n(all + g * s.attn_tp * most * width, s.group_rows[g] * width, x + at * width);
+    }
+    barrier();
+  }
   const float* cos(int64_t t) const { return s.cos + s.positions[t] * s.half; }
   const float* sin(int64_t t) const { return s.sin + s.positions[t] * s.half; }
 };
@@ -132,11 +179,13 @@ struct Layer {
     rope = i[kRope], idx_dim = i[kIdxDim], idx_heads = i[kIdxHeads], heads = i[kHeads];
     nope = i[kNope], v = i[kV], interleave = i[kIdxInterleave] != 0, topk = i[kTopk];
     groups = i[kNGroup], topk_group = i[kTopkGroup], top_k = i[kTopK], normalise = i[kNormalise];
+    expert_first = i[kExpertFirst];
     w_in = mat(t[kWIn], sc[kWIn]), w_qres = mat(t[kWQres], sc[kWQres]), w_o = mat(t[kWO], sc[kWO]);
     w_idx = mat(t[kWIdx]);
     w_in.bias = f32(t[kBIn]), w_o.bias = f32(t[kBO]);
     mlp_gate_up = mat(t[kMlpGateUp], sc[kMlpGateUp]), mlp_down = mat(t[kMlpDown], sc[kMlpDown]);
     router = mat(t[kRouter]);
+    routed = router.rows;  // every expert's score; this rank holds `experts` from expert_first
     experts = t[kExpGateUp].defined() && t[kExpGateUp].numel() ? t[kExpGateUp].size(0) : 0;
     for (int64_t e = 0; e < experts; ++e) {
       exp_gate_up.push_back(mat(t[kExpGateUp], sc[kExpGateUp], e, sc2[kExpGateUp]));
@@ -153,7 +202,7 @@ struct Layer {
   int64_t parts_width() const { return w_in.rows + w_idx.rows; }
 
   int64_t layer_id, index_cache, q_lora, rank, rope, idx_dim, idx_heads, heads, nope, v, topk;
-  int64_t groups, topk_group, top_k, normalise, experts, qk;
+  int64_t groups, topk_group, top_k, normalise, experts, routed, expert_first, qk;
   bool interleave;
   Mat w_in, w_idx, w_qres, w_o, mlp_gate_up, mlp_down, router, w_uk_t, w_uv;
   std::vector<Mat> exp_gate_up, exp_down;
@@ -165,6 +214,7 @@ struct Layer {
   void project(const Ctx& c, const Rows& kv, const Rows& keys) const;
   void queries(const Ctx& c) const;
   void select(const Ctx& c, const Rows& keys) const;
+  void merge_ranks(const Ctx& c, Comm* group) const;
   void attend(const Ctx& c, const Rows& kv) const;
   void ffn(const Ctx& c) const;
   void route(const Ctx& c) const;
@@ -173,23 +223,29 @@ struct Layer {
 // The embedding before the layers, the final norm and the LM head after them.
 struct Head {
   Head() = default;
-  Head(const std::vector<Tensor>& t, double eps) : t_(t), eps(eps) {
+  // `embed_start`: the first token id of this rank's embedding rows; `vocab`: the whole vocab
+  // (this rank's LM head rows are its part of it, padded: layers/linear.py ParallelLMHead).
+  Head(const std::vector<Tensor>& t, double eps, int64_t embed_start, int64_t vocab)
+      : t_(t), eps(eps), embed_start(embed_start), vocab(vocab) {
     TORCH_CHECK(t.size() == 3, "head: embedding, norm, lm_head");
     embed = mat(t[0]), norm = f32(t[1]), lm = mat(t[2]);
-    vocab = lm.rows, hidden = lm.cols;
+    hidden = lm.cols;
   }
 
   void embed_rows(const Ctx& c) const {
     const auto [b, e] = c.my_rows();
     for (int64_t t = b; t < e; ++t) {
       float* x = c.w.x.data() + t * hidden;
-      const int64_t id = c.s.ids[t];
-      if (embed.kind == kBF16) {
+      const int64_t id = c.s.ids[t] - embed_start;
+      if (id < 0 || id >= embed.rows) {  // another rank's part of the vocab
+        std::fill_n(x, hidden, 0.0f);
+      } else if (embed.kind == kBF16) {
         bf16_to_floats(static_cast<const uint16_t*>(embed.data) + id * hidden, hidden, x);
       } else {
         std::copy_n(static_cast<const float*>(embed.data) + id * hidden, hidden, x);
       }
     }
+    c.all_reduce(c.s.attn, c.w.x.data(), c.s.rows * hidden);  // the vocab-parallel parts
   }
 
   // `normed` runs after this thread's rows are normed (the last layer's tap reads them).
@@ -199,16 +255,35 @@ struct Head {
     for (int64_t t = b; t < e; ++t)
       rms_norm(c.w.x.data() + t * hidden, hidden, norm, eps, c.w.h.data() + t * hidden);
     normed();
+    if (!c.s.with_logits) return;  // a verify's states only (the rank rounds' FORWARD)
     c.barrier();
-    Job job = Job::linear(lm, c.s.rows, c.w.h.data(), hidden, c.s.logits, vocab);
+    Comm* world = c.s.world;
+    if (!world || !world->active()) {
+      Job job = Job::linear(lm, c.s.rows, c.w.h.data(), hidden, c.s.logits, vocab);
+      run_jobs(&job, 1, c.tid, c.nth);
+      return;
+    }
+    c.gather_groups(c.w.h.data(), hidden);  // DP attention: every group's rows
+    const int64_t rows = c.s.all_rows, part = lm.rows, n = rows * part;
+    Job job = Job::linear(lm, rows, c.w.h.data(), hidden, c.w.vocab_part.data(), part);
     run_jobs(&job, 1, c.tid, c.nth);
+    c.barrier();
+    if (c.tid != 0 || n == 0) return;
+    float* all = c.w.vocab_part.data() + n;  // [ranks, rows, part]
+    world->all_gather(c.w.vocab_part.data(), n, all);
+    for (int64_t r = 0; r < world->size(); ++r) {
+      const int64_t width = std::clamp<int64_t>(vocab - r * part, 0, part);
+      for (int64_t t = 0; t < c.s.rows; ++t)
+        std::copy_n(all + (r * rows + c.s.own_begin + t) * part, width,
+                    c.s.logits + t * vocab + r * part);
+    }
   }
 
   std::vector<Tensor> t_;
   double eps = 1e-6;
   Mat embed, lm;
   const float* norm = nullptr;
-  int64_t vocab = 0, hidden = 0;
+  int64_t embed_start = 0, vocab = 0, hidden = 0;
 };
 
 }  // namespace dsa
@@ -234,11 +309,13 @@ inline void Layer::forward(const Ctx& c, const Rows& kv, const Rows& keys) const
     rms_norm(w.x.data() + t * w.hidden, w.hidden, post_norm, f_[kPostEps],
              w.h.data() + t * w.hidden);
   c.barrier();
+  c.gather_groups(w.h.data(), w.hidden);  // DP attention: the MLP block takes every group's
   ffn(c);
 }
 
 inline void Scratch::size(const std::vector<Layer>& layers, const Head& head, int64_t rows,
-                          int64_t length, int nth) {
+                          int64_t length, int nth, int64_t ranks, int64_t all_rows,
+                          int64_t most) {
   hidden = head.hidden;
   int64_t parts_w = 0, qp_w = 0, qfull_w = 0, iq_w = 0, iw_w = 0, ov_w = 0, gu_w = 0;
   int64_t router_w = 0, egu_w = 0, eact_w = 0, act_w = 0, qres_w = 0;
@@ -253,7 +330,7 @@ inline void Scratch::size(const std::vector<Layer>& layers, const Head& head, in
     ov_w = std::max(ov_w, L.heads * L.v);
     gu_w = std::max(gu_w, L.mlp_gate_up.rows);
     act_w = std::max(act_w, L.mlp_gate_up.rows / 2);
-    router_w = std::max(router_w, L.experts);
+    router_w = std::max(router_w, L.routed);
     topk = std::max(topk, L.topk);
     top_k = std::max(top_k, L.top_k);
     if (L.experts) {
@@ -264,13 +341,17 @@ inline void Scratch::size(const std::vector<Layer>& layers, const Head& head, in
   const auto fit = [](auto& v, int64_t n) {
     if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   };
-  fit(x, rows * hidden), fit(h, rows * hidden), fit(attn, rows * hidden);
-  fit(shared, rows * hidden), fit(parts, rows * parts_w), fit(qres, rows * qres_w);
+  const int64_t all = std::max(rows, all_rows);  // the MLP block's rows
+  fit(x, rows * hidden), fit(h, all * hidden), fit(attn, rows * hidden);
+  fit(shared, all * hidden), fit(parts, rows * parts_w), fit(qres, rows * qres_w);
   fit(qp, rows * qp_w), fit(qfull, rows * qfull_w), fit(iq, rows * iq_w), fit(iw, rows * iw_w);
-  fit(ov, rows * ov_w), fit(gu, rows * gu_w), fit(act, rows * act_w);
-  fit(router, rows * router_w), fit(ew, rows * top_k), fit(eidx, rows * top_k);
-  fit(egu, rows * top_k * egu_w), fit(eact, rows * top_k * eact_w);
-  fit(eout, rows * top_k * hidden), fit(picks, rows * topk);
+  fit(ov, rows * ov_w), fit(gu, all * gu_w), fit(act, all * act_w);
+  fit(router, all * router_w), fit(ew, all * top_k), fit(eidx, all * top_k);
+  fit(egu, all * top_k * egu_w), fit(eact, all * top_k * eact_w);
+  fit(eout, all * top_k * hidden), fit(picks, rows * topk);
+  if (ranks > 1) fit(vocab_part, all * head.lm.rows * (1 + ranks));  // this rank's, then all
+  if (ranks > 1) fit(gathered, ranks * most * hidden);  // DP attention's gather_groups
+  if (ranks > 1) fit(rank_cands, (1 + ranks) * rows * topk);  // the indexer's, under --tp
   scores.resize(rows * length);  // the stride of a row's scores is `length`
   npicks.assign(rows, 0);
   if (static_cast<int64_t>(cands.size()) < rows * nth) cands.resize(rows * nth);

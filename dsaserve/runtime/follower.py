@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.distributed.rendezvous import init_rank
-from dsaserve.engine.decode.build import build_graphs, spec_shape
+from dsaserve.engine.decode.build import build_graphs, rank_native, spec_shape
 from dsaserve.engine.kvcache.build import build_rank_tiers
 from dsaserve.engine.ranks.rounds import RankRunner
 from dsaserve.engine.shard import build_shard
@@ -27,7 +27,7 @@ def run_rank(job: RankJob) -> int:
     if job.args.node_rank > 0:  # node 0's /health hears of it through the store
         heartbeat.beat_to_store(parallel.store, job.rank)
     paths = share_paths(parallel, job.paths)
-    rank_threads(parallel.sizes)
+    rank_threads(job.args, parallel)
     if parallel.is_leader:  # another DP-attention group's scheduler
         return run_group_leader(job.args, paths, parallel, job.factory)
     runner = follower_runner(job.args, parallel)
@@ -43,6 +43,7 @@ def follower_runner(args, parallel: ParallelState) -> RankRunner:
     shard = build_shard(args, parallel, show_progress=False)
     pool = shard.pool
     runner = RankRunner(shard.model, pool.kv_cache, pool.index_cache, parallel, shard.device)
+    rank_native(args, shard, parallel, runner)
     runner.graphs = build_graphs(args, shard, spec_shape(args, shard), ranks=True)
     if args.enable_hierarchical_cache:  # its own host and storage tiers, its leader's moves
         runner.tiers = build_rank_tiers(args, pool, shard.dtype, shard.with_mtp, parallel)

@@ -44,10 +44,44 @@ class RankJob:
     factory: Callable[..., Any] | None = None  # runtime/engine_process.py's EngineFactory
 
 
-def rank_threads(sizes: ParallelSizes) -> None:
-    """Share this machine's cores among the node's ranks (OMP_NUM_THREADS wins when set)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // sizes.ranks_per_node))
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's name: "0-41|42-83", a core range per rank
+
+
+def rank_threads(args: ServerArgs, parallel: ParallelState) -> None:
+    """This rank's torch threads (which the native decode layers use too): --threads (per
+    rank), else OMP_NUM_THREADS, else the cores it is bound to, else this node's cores shared
+    among its ranks. With SGLANG_CPU_OMP_THREADS_BIND the rank is first bound to its range of
+    cores (the node's rank r to range r), so every thread it starts after stays there: on a
+    two-socket server, one rank per NUMA node streams its weights from its own memory."""
+    sizes = parallel.sizes
+    cores = bound_cores(os.environ.get(BIND_ENV, ""), parallel.rank % sizes.ranks_per_node,
+                        sizes.ranks_per_node)  # fmt: skip
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        shared = max(1, (os.cpu_count() or 1) // sizes.ranks_per_node)
+        torch.set_num_threads(len(cores) if cores else shared)
+
+
+def bound_cores(spec: str, rank: int, ranks: int) -> list[int]:
+    """Rank `rank`'s cores in a SGLANG_CPU_OMP_THREADS_BIND value ("0-3|4-7", each part core
+    ids and ranges joined by commas), or [] when unset; a value without a part per rank is
+    refused (a rank left unbound would share another's cores)."""
+    if not spec.strip():
+        return []
+    parts = spec.split("|")
+    if len(parts) != ranks:
+        raise ValueError(f"{BIND_ENV}={spec!r}: {len(parts)} core ranges for {ranks} ranks on "
+                         "this node (one per rank, '|'-separated)")  # fmt: skip
+    cores: list[int] = []
+    for item in parts[rank].split(","):
+        first, _, last = item.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{BIND_ENV}={spec!r}: {item!r} is not a core id or range")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
 
 
 class RankProcess:
@@ -134,6 +168,7 @@ def start_ranks(
     try:
         parallel = init_rank(args, 0, where, device_type, listener)
         share_paths(parallel, paths)
+        rank_threads(args, parallel)
     except BaseException:
         kill_all(children)
         raise

@@ -9,14 +9,19 @@ The choices (each path's cost stays in its own module):
 - CUDA graphs (cuda_graph.py): CUDA only, unless `--disable-cuda-graph`;
 - the fused decode step (fused_step.py) over the torch kernels on one rank, unless
   `--disable-fused-decode`; its native layers (native.py) unless `--disable-native-decode` or
-  `--enable-torch-compile`;
+  `--enable-torch-compile`; with ranks on one CPU node (--tp, --ep, DP attention; not context
+  parallel), every rank's native layers over its shard where every rank built them
+  (`rank_native`, which the followers call too);
 - the speculative shape the runner must hold room for: K drafts per verify and a DFLASH
   drafter's tapped layers (read from its config; spec/ builds the drafter itself).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
+
+import torch
 
 from dsaserve.args import ServerArgs
 from dsaserve.dflash_args import dflash_settings
@@ -30,6 +35,8 @@ from dsaserve.engine.scheduler import Scheduler, SchedulerConfig
 from dsaserve.engine.shard import Shard
 from dsaserve.engine.startup import max_running, release_free_heap
 from dsaserve.models.dflash_config import DFlashConfig
+
+logger = logging.getLogger(__name__)
 
 
 class SpecShape(NamedTuple):
@@ -67,6 +74,7 @@ def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
         rank_runner = RankRunner(model, shard.pool.kv_cache, shard.pool.index_cache, parallel,
                                  shard.device)  # fmt: skip
         model = DistributedModel(rank_runner)
+        rank_native(args, shard, parallel, rank_runner)
         if args.enable_hierarchical_cache:  # the group repeats the tiers' moves (kvcache/moves.py)
             rank_runner.tiers = cache.moves
     graphs = build_graphs(args, shard, spec, ranks=rank_runner is not None)
@@ -80,6 +88,29 @@ def build_runner(args: ServerArgs, shard: Shard, cache: PrefixCache,
     chunk = args.chunked_prefill_size or (8192 if shard.device.type == "cuda" else 2048)
     config = SchedulerConfig(running, chunk, context, decode_tokens=spec.drafts + 1)
     return Built(runner, Scheduler(config, shard.pool, cache), context, graphs)
+
+
+def rank_native(args: ServerArgs, shard: Shard, parallel: ParallelState,
+                runner: RankRunner) -> None:  # fmt: skip
+    """This rank's native decode layers for the all-decode rounds, kept only where every rank
+    built its own (a rank on the layered path would leave the others' collectives unanswered):
+    each rank's path is gathered (a collective: the leader's build_runner and every follower
+    call this once, right after making their RankRunner) and kept for /get_server_info."""
+    sizes, step = parallel.sizes, None
+    wanted = not (args.disable_native_decode or args.disable_fused_decode)
+    if wanted and shard.kernels.eager and parallel.world_shm is not None and sizes.cp == 1:
+        dtype = shard.pool.index_cache.dtype
+        step = DecodeStep.build(shard.model, enabled=True, compiled=False, cache_dtype=dtype,
+                                parallel=parallel)  # fmt: skip
+    fused = step.fused if step is not None and step.native is not None else None
+    mine = "native" if fused is not None else "layered"
+    everyone: list = [None] * parallel.world
+    torch.distributed.all_gather_object(everyone, mine, group=parallel.cpu_group)
+    runner.rank_paths = everyone
+    runner.native = fused if all(path == "native" for path in everyone) else None
+    if mine == "native" and runner.native is None:
+        logger.warning("native decode: rank paths %s; every rank runs the layered model",
+                       everyone)  # fmt: skip
 
 
 def build_graphs(args: ServerArgs, shard: Shard, spec: SpecShape,

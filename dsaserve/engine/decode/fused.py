@@ -57,16 +57,17 @@ class LayerWeights(NamedTuple):
     w_idx: torch.Tensor | None = None  # [nI, H]
 
 
-def _plain(*modules: nn.Module) -> bool:
-    """Whole, unquantised Linears (a one-rank parallel Linear is a whole one)."""
-    return all(_whole(m) for m in modules)
+def _plain(modules: list[nn.Module], ranks: bool) -> bool:
+    """Linears the fused forms read: whole ones (a one-rank parallel Linear is a whole one), or
+    with `ranks` (the native layers under --tp / --ep) this rank's slices."""
+    return all(_whole(m, ranks) for m in modules)
 
 
-def _whole(module: nn.Module) -> bool:
+def _whole(module: nn.Module, ranks: bool) -> bool:
     if type(module) in (nn.Linear, nn.LayerNorm):
         return True
     if isinstance(module, ColumnParallelLinear | RowParallelLinear | Fp8Linear):
-        return getattr(module.weight, "shard", None) is None  # one rank (the engine checks)
+        return ranks or getattr(module.weight, "shard", None) is None
     return False
 
 
@@ -109,7 +110,7 @@ def _native_dtypes(groups: list[list[nn.Module]], linears: list[nn.Module], expe
     return len(floats) <= 1 and floats <= set(NATIVE_DTYPES)
 
 
-def _fused_weights(layer: nn.Module) -> LayerWeights | None:
+def _fused_weights(layer: nn.Module, ranks: bool) -> LayerWeights | None:
     attn: MLAttention = layer.self_attn
     ffn = layer.mlp.shared_experts if isinstance(layer.mlp, MoE) else layer.mlp
     experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else None
@@ -127,7 +128,7 @@ def _fused_weights(layer: nn.Module) -> LayerWeights | None:
     # fp32 or bf16 (one dtype) or block FP8: the Python path runs fp32 only (in bf16 the layered
     # path's roundings are what docs/determinism.md's bf16 bounds were measured on); the native
     # layers read bf16 and FP8 weights too, with fp32 activations.
-    if not _plain(*linears) or not _native_dtypes([into, from_q, gate_up], linears, experts):
+    if not _plain(linears, ranks) or not _native_dtypes([into, from_q, gate_up], linears, experts):
         return None
     fp8 = into[0].weight.dtype == FP8_DTYPE
     if not fp8:
@@ -187,8 +188,9 @@ class FusedDecode:
     """The decode forward of `model` (a loaded DsaMoeForCausalLM), or None where not applicable.
 
     Two forms: the native layers (engine/decode/native.py: embedding to logits in one C++ call,
-    fp32, bf16 or block-FP8 weights, an fp32, bf16 or FP8 pool), and the Python layers below
-    (fp32 weights and pool only: the reference, and what `--enable-torch-compile` traces)."""
+    fp32, bf16 or block-FP8 weights, an fp32, bf16 or FP8 pool; under --tp / --ep this rank's
+    shard, its collectives inside the call), and the Python layers below (fp32 weights and pool,
+    one rank only: the reference, and what `--enable-torch-compile` traces)."""
 
     def __init__(self, model: nn.Module, weights: list[LayerWeights], native=None) -> None:
         self.model = model
@@ -199,20 +201,23 @@ class FusedDecode:
         self._rotary = (torch.zeros(0, 1), torch.zeros(0, 1))  # cos, sin [positions, rope / 2]
 
     @classmethod
-    def build(cls, model: nn.Module, native: bool = False,
-              cache_dtype: torch.dtype = torch.float32) -> FusedDecode | None:  # fmt: skip
+    def build(cls, model: nn.Module, native: bool = False, cache_dtype: torch.dtype = torch.float32,
+              parallel=None) -> FusedDecode | None:  # fmt: skip
         """None where neither form runs: the native one takes fp32 / bf16 / block-FP8 weights and an
-        fp32, bf16 or FP8 (uint8) pool; the Python one fp32 weights and an fp32 pool."""
+        fp32, bf16 or FP8 (uint8) pool; the Python one fp32 weights and an fp32 pool. `parallel`
+        (a ParallelState of several ranks): the native form only, over this rank's shard."""
+        ranks = parallel is not None and parallel.world > 1
         layers = model.model.layers[: model.config.num_hidden_layers]
-        weights = [_fused_weights(layer) for layer in layers]
+        weights = [_fused_weights(layer, ranks) for layer in layers]
         if any(w is None for w in weights):
             return None
         on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
         python = weights[0].w_in.dtype == torch.float32 and cache_dtype == torch.float32
+        python = python and not ranks
         stored = cache_dtype in (torch.float32, torch.bfloat16, torch.uint8)
-        built = (
-            native_layers.build(model, layers, weights) if native and on_cpu and stored else None
-        )
+        built = None
+        if native and on_cpu and stored:
+            built = native_layers.build(model, layers, weights, parallel if ranks else None)
         if built is None and not python:
             return None
         return cls(model, weights, built)
@@ -242,17 +247,25 @@ class FusedDecode:
         return self.model.logits(torch.rms_norm(x, norm.weight.shape, norm.weight, norm.eps))
 
     def decode_logits(self, ids, positions, slots, kv_cache, index_cache,
-                      last: int | None = None, taps: tuple[int, ...] = ()):  # fmt: skip
+                      last: int | None = None, taps: tuple[int, ...] = (),
+                      with_logits: bool = True, groups: tuple | None = None):  # fmt: skip
         """The native step: row t (token ids[t] at position p = positions[t]) writes its entry
         at slots[t, p] and attends slots[t, :p + 1]; returns fp32 logits [T, V]. `last`: the
         largest position, where the caller knows it. With `taps` (a DFlash drafter's target
         layers), (logits, [T, len(taps) * H] those layers' outputs, the last layer's after the
-        final norm, as `join_taps`)."""
-        cos, sin = self.rotary_tables((int(positions.max()) if last is None else last) + 1)
+        final norm, as `join_taps`); without `with_logits` the LM head is skipped (its logits
+        are [0, V]). `groups` (ranks under DP attention): (every attention group's rows, this
+        rank's group, ranks a group): the MLP block and the LM head take every group's rows."""
+        if last is None:
+            last = int(positions.max()) if positions.numel() else 0  # a group without rows
+        cos, sin = self.rotary_tables(last + 1)
         hidden = self.model.config.hidden_size
         tapped = torch.empty(ids.shape[0], len(taps) * hidden) if taps else native_layers.NONE
+        rows, group, attn_tp = groups if groups is not None else ([], 0, 1)
+        rows = list(rows) if len(rows) > 1 else []  # one group: no gathers
         logits = self.native.forward(ids, positions, slots.contiguous(), kv_cache, index_cache,
-                                     cos, sin, list(taps), tapped)  # fmt: skip
+                                     cos, sin, list(taps), tapped, with_logits, rows, group,
+                                     attn_tp)  # fmt: skip
         return (logits, tapped) if taps else logits
 
     def rotary_tables(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,14 +34,16 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module, enabled: bool, compiled: bool, native: bool = True,
-              cache_dtype: torch.dtype = torch.float32) -> DecodeStep | None:  # fmt: skip
+              cache_dtype: torch.dtype = torch.float32,
+              parallel=None) -> DecodeStep | None:  # fmt: skip
         """The decode step of `model`, or None (layered model for every step) when disabled or
         when the weights are not plain same-dtype linears (e.g. FP8). `native`: run the layers
         in the C++ extension (engine/decode/native.py) where it builds; compiling takes the
         Python path (torch.compile traces Python). `cache_dtype`: the pool's storage dtype
-        (uint8: FP8); only the native layers read a pool in another dtype than fp32."""
+        (uint8: FP8); only the native layers read a pool in another dtype than fp32.
+        `parallel` (several ranks): the native layers over this rank's shard, or None."""
         native = native and not compiled
-        fused = FusedDecode.build(model, native, cache_dtype) if enabled else None
+        fused = FusedDecode.build(model, native, cache_dtype, parallel) if enabled else None
         if fused is None:
             if compiled:
                 logger.warning("--enable-torch-compile: no fused decode path for this model")

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dsaserve.distributed.parallel_state import ParallelState
 from dsaserve.kernels import native_build
 from dsaserve.layers.mla import MLAttention
 from dsaserve.layers.moe import MoE
@@ -60,8 +61,9 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list, list[int]
     moe = isinstance(mlp, MoE)
     dense = mlp.shared_experts if moe else mlp
     idx = attn.indexer
+    o_bias = attn.o_proj.bias if getattr(attn.o_proj, "part_index", 0) == 0 else None  # once
     small = [layer.input_layernorm.weight, weights.b_in, attn.q_a_layernorm.weight,
-             attn.kv_a_layernorm.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
+             attn.kv_a_layernorm.weight, o_bias, layer.post_attention_layernorm.weight,
              mlp.gate.e_score_correction_bias if moe else None,
              idx.k_norm.weight if idx is not None else None,
              idx.k_norm.bias if idx is not None else None]  # fmt: skip
@@ -97,6 +99,7 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list, list[int]
         int(idx.interleave) if idx is not None else 0, idx.topk if idx is not None else 0,
         config.n_group if moe else 1, config.topk_group if moe else 1,
         config.top_k if moe else 0, int(config.normalise) if moe else 0,
+        experts.first if moe else 0,  # under --ep this rank's experts start there
     ]  # fmt: skip
     floats = [
         layer.input_layernorm.eps, attn.q_a_layernorm.eps, attn.kv_a_layernorm.eps,
@@ -106,15 +109,24 @@ def layer_fields(layer: nn.Module, weights) -> tuple[list, list, list, list[int]
     return tensors, scales, row_scales, ints, [float(f) for f in floats]
 
 
-def build(model: nn.Module, layers: list[nn.Module], weights: list) -> object | None:
+def build(model: nn.Module, layers: list[nn.Module], weights: list,
+          parallel: ParallelState | None = None) -> object | None:  # fmt: skip
     """A DecodeLayers over `layers` (with their FusedDecode weights) and the model's embedding,
-    final norm and LM head, or None without the build."""
+    final norm and LM head, or None without the build. `parallel` (several ranks): this rank's
+    shard, exchanging its parts over the ranks' shared-memory files (`world_shm`, and under DP
+    attention its group's `attn_shm`)."""
     module = extension()
     if module is None:
         return None
     fields = [layer_fields(layer, w) for layer, w in zip(layers, weights)]
-    norm = model.model.norm
-    head = [_or_none(model.model.embed_tokens.weight), _small(norm.weight),
-            _or_none(model.lm_head.weight)]  # fmt: skip
-    return module.DecodeLayers(*(list(column) for column in zip(*fields)), head,
-                               float(norm.eps))  # fmt: skip
+    norm, embed = model.model.norm, model.model.embed_tokens
+    head = [_or_none(embed.weight), _small(norm.weight), _or_none(model.lm_head.weight)]
+    built = module.DecodeLayers(*(list(column) for column in zip(*fields)), head,
+                                float(norm.eps), getattr(embed, "start", 0),
+                                model.config.vocab_size)  # fmt: skip
+    if parallel is not None:
+        world, attn = parallel.world_shm, parallel.attn_shm
+        built.set_comm(world.memory, world.size, world.index, world.timeout, False)
+        if attn is not None and attn is not world:  # DP attention, several ranks a group
+            built.set_comm(attn.memory, attn.size, attn.index, attn.timeout, True)
+    return built

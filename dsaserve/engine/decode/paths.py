@@ -3,6 +3,7 @@
 | path | accepts | built in |
 |---|---|---|
 | `native` | an all-decode step (every row sampled), the native layers built (CPU) | native.py |
+| `native` (ranks) | the same, every rank's native layers built (CPU ranks) | build.py |
 | `cuda_graph` | a batch whose rows and context fit a captured bucket (CUDA) | cuda_graph.py |
 | `python` / `compiled` | an all-decode batch, on the fused Python forward | fused_step.py |
 | `layered` | anything: the model's own layers (one round across ranks) | models/dsa_moe.py |
@@ -22,6 +23,7 @@ from dsaserve.engine.decode.cuda_graph import CudaGraphRunner
 from dsaserve.engine.decode.fused_step import DecodeStep
 from dsaserve.engine.decode.rows import DecodeRows, all_decodes
 from dsaserve.engine.kvcache.pool import KVPool
+from dsaserve.engine.ranks.rounds import DistributedModel
 from dsaserve.engine.scheduler import ScheduledBatch
 from dsaserve.layers.forward_batch import ForwardBatch, forward_context
 
@@ -68,6 +70,22 @@ class NativePath:
                                                self.pool.index_cache,
                                                max(scheduled.starts))  # fmt: skip
         return list(range(len(scheduled.reqs))), logits
+
+
+class RanksNativePath:
+    """An all-decode step as one FORWARD_LOGITS round, which every rank runs on its native
+    layers (engine/ranks/rounds.py `RankRunner._native`)."""
+
+    def __init__(self, model: DistributedModel) -> None:
+        self.name, self.model = "native", model
+
+    def accepts(self, step: Step) -> bool:
+        return not step.all_rows and all_decodes(step.scheduled)
+
+    def logits(self, step: Step) -> tuple[list[int], torch.Tensor]:
+        batch, sampled = step.built
+        with forward_context(batch):
+            return sampled, self.model.forward_logits()
 
 
 class GraphPath:
@@ -123,6 +141,8 @@ def build_paths(model, pool: KVPool, decode_step: DecodeStep | None,
     paths: list[DecodePath] = []
     if decode_step is not None and decode_step.native is not None:
         paths.append(NativePath(decode_step, pool))
+    if isinstance(model, DistributedModel) and model.native:
+        paths.append(RanksNativePath(model))
     if graphs is not None:
         paths.append(GraphPath(graphs, model))
     if decode_step is not None:

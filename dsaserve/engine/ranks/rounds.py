@@ -1,16 +1,20 @@
 """Lock-step model ops across ranks: every rank calls `round()` the same number of times.
 
-One round: every rank all-gathers a 6-int header (the group leaders put their pending op, its
-rows, its buffer sizes, for FORWARD_LOGITS its logits rows, and for a forward a CUDA graph can
-run its context bucket; other ranks zeros). One op kind
+One round: every rank all-gathers a 7-int header (the group leaders put their pending op, its
+rows, its buffer sizes, for FORWARD_LOGITS its logits rows, for a forward a CUDA graph can
+run its context bucket, and whether its native layers can run it; other ranks zeros). One op kind
 is chosen (the first pending one, scanning from a group that rotates every round, so no group
 starves); every group that wants that kind runs it, its leader broadcasting the inputs
 (`payload`) to its attention-TP group; all other groups join with no tokens, so the MoE/MLP and
 LM-head collectives, which span every rank, always match. A forward runs through every rank's
 CUDA graphs (engine/decode/cuda_graph.py) when every running group's fits one: all ranks replay the
 bucket of the largest group's rows and the widest context, the groups without rows over padding,
-so the collectives captured in the graphs match too. A round where nobody has work is a
-heartbeat. STOP ends every rank's loop.
+so the collectives captured in the graphs match too. On CPU, a forward round whose every
+running group has all-decode rows (a decode step's, every row sampled, or a verify's) runs every
+rank's native decode layers instead (`NativeStep`; every rank has them or none, agreed at build,
+engine/decode/build.py), its collectives inside the C++ call; a group without rows joins them
+with none, as it joins the layered model's. A round where nobody has work is a heartbeat. STOP ends
+every rank's loop.
 
 `DistributedModel` is the leader's stand-in for the model (same calls as DsaMoeForCausalLM), so
 the engine, the speculative decoder and the sampler run unchanged on rank 0 of each group.
@@ -38,7 +42,8 @@ from dsaserve.layers.forward_batch import ForwardBatch, current_batch, installed
 from dsaserve.layers.indexer import Selection
 from dsaserve.models.dsa_moe import DsaMoeForCausalLM
 
-HEADER = 6  # op, rows, int and float payload sizes, logits rows, CUDA-graph context bucket
+HEADER = 7  # op, rows, int and float payload sizes, logits rows, CUDA-graph context bucket,
+# and 1 where the op can run on the native layers
 
 
 class Graphs(Protocol):
@@ -52,6 +57,18 @@ class Graphs(Protocol):
     def bucket(self, batch: ForwardBatch) -> Any: ...
 
     def __call__(self, batch: ForwardBatch, bucket: Any = None) -> torch.Tensor: ...
+
+
+class NativeStep(Protocol):
+    """This rank's native decode layers (engine/decode/fused.py's `FusedDecode` over its shard,
+    exchanging their parts over the world's shared memory)."""
+
+    native: Any  # the C++ DecodeLayers (its `comm_seq` continues the Python group's)
+
+    def accepts(self, batch: ForwardBatch) -> bool: ...
+
+    def decode_logits(self, ids, positions, slots, kv_cache, index_cache, last=None, taps=(),
+                      with_logits=True, groups=None) -> Any: ...  # fmt: skip
 
 
 class Stopped(Exception):
@@ -73,6 +90,9 @@ class RankRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.tiers: TierMoves | None = None  # this rank's HiCache tiers (HICACHE ops)
         self.graphs: Graphs | None = None  # this rank's decode graphs (FORWARD ops)
+        self.native: NativeStep | None = None  # all-decode forwards (every rank or none)
+        self.rank_paths: list[str] = []  # every rank's path for those rounds (get_server_info)
+        self.native_rounds = 0  # rounds this rank ran on its native layers
         self.rounds = 0
         self.others_busy = False
         self.stopped = False
@@ -87,7 +107,7 @@ class RankRunner:
         if mine is not None:
             header[:] = torch.tensor([int(mine.op), mine.rows, buffers[0].numel(),
                                       buffers[1].numel(), mine.logits_rows,
-                                      self._graph_context(mine)])  # fmt: skip
+                                      self._graph_context(mine), self._native(mine)])  # fmt: skip
         table = self._gather_headers(header)
         leaders = [table[sizes.leader(g)] for g in range(sizes.groups)]
         ops = [int(row[0]) for row in leaders]
@@ -103,13 +123,17 @@ class RankRunner:
         rows = [int(row[1]) if op == chosen else 0 for row, op in zip(leaders, ops)]
         logits_rows = [int(row[4]) if op == chosen else 0 for row, op in zip(leaders, ops)]
         contexts = [int(row[5]) for row, op in zip(leaders, ops) if op == chosen]
+        native = all(int(row[6]) for row, op in zip(leaders, ops) if op == chosen)
         runs = own_op == chosen
         inputs = self._inputs(chosen, runs, mine, buffers, leaders[p.dp_rank])
         bucket = None  # every rank derives the same one from the same headers
         if self.graphs is not None and min(contexts) > 0:
             bucket = self.graphs.common_bucket(max(rows), max(contexts))
         with p.rows(rows):
-            result = self._execute(inputs, logits_rows, bucket)
+            if native and bucket is None:  # every rank decides alike, from the same headers
+                result = self._native_forward(inputs, rows)
+            else:
+                result = self._execute(inputs, logits_rows, bucket)
         return runs and mine is not None, result
 
     def _graph_context(self, mine: OpInputs) -> int:
@@ -196,6 +220,49 @@ class RankRunner:
         with installed(inputs.batch):
             return model.forward_mtp(inputs.hidden, inputs.reuse)
 
+    def _native(self, mine: OpInputs) -> int:
+        """1 where this leader's op can run on the native layers: a forward of all-decode rows
+        (a decode step's, every row sampled, for FORWARD_LOGITS; a verify's, for FORWARD)."""
+        if self.native is None or mine.op not in (Op.FORWARD, Op.FORWARD_LOGITS):
+            return 0
+        batch = mine.batch
+        if not self.native.accepts(batch):
+            return 0
+        return int(mine.op == Op.FORWARD or mine.logits_rows == batch.input_ids.shape[0])
+
+    def _native_forward(self, inputs: OpInputs, group_rows: list[int]) -> torch.Tensor:
+        """The op on this rank's native layers (this group's rows, maybe none, among every
+        group's `group_rows`): FORWARD_LOGITS the logits of every row; FORWARD the states as
+        the layered model returns them (`join_taps`: the final normed states, then each tapped
+        layer's) in the model dtype, without the LM head (the leader asks for the verified rows'
+        logits in a LOGITS round)."""
+        if inputs.op == Op.FORWARD_LOGITS:
+            return self._native_call(inputs.batch, group_rows)
+        last = self.model.config.num_hidden_layers - 1
+        _, states = self._native_call(inputs.batch, group_rows, taps=(last, *inputs.taps),
+                                      with_logits=False)  # fmt: skip
+        return states.to(self.dtype)
+
+    def _native_call(self, batch: ForwardBatch, group_rows: list[int], **kw) -> Any:
+        """This rank's native layers over `batch`: their collectives continue the world's (and
+        a DP attention group's own) shared-memory messages, sequence numbers handed over and
+        back."""
+        p, layers = self.parallel, self.native.native
+        shms = [("comm_seq", p.world_shm)]
+        if p.attn_shm is not None and p.attn_shm is not p.world_shm:
+            shms.append(("attn_seq", p.attn_shm))
+        for name, shm in shms:
+            setattr(layers, name, shm.seq)
+        self.native_rounds += 1
+        try:
+            groups = (group_rows, p.dp_rank, p.attn_tp)
+            return self.native.decode_logits(batch.input_ids, batch.positions, batch.decode_slots,
+                                              self.kv_cache, self.index_cache, groups=groups,
+                                              **kw)  # fmt: skip
+        finally:
+            for name, shm in shms:
+                shm.seq = getattr(layers, name)
+
     def _forward(self, batch: ForwardBatch, bucket: Any,
                  taps: tuple[int, ...] = ()) -> torch.Tensor:  # fmt: skip
         """The model over `batch`: this rank's CUDA graph of `bucket`, which every rank replays
@@ -228,6 +295,19 @@ class DistributedModel:
     @property
     def mtp(self):
         return self.model.mtp
+
+    @property
+    def native(self) -> bool:
+        """All-decode steps run every rank's native layers (`RankRunner.native`)."""
+        return self.runner.native is not None
+
+    @property
+    def rank_paths(self) -> list[str]:
+        return self.runner.rank_paths
+
+    @property
+    def native_rounds(self) -> int:
+        return self.runner.native_rounds
 
     def _run(self, inputs: OpInputs) -> Any:
         if inputs.op != Op.HICACHE:
