@@ -104,8 +104,9 @@ def rank_native(args: ServerArgs, shard: Shard, parallel: ParallelState,
                                 parallel=parallel)  # fmt: skip
     fused = step.fused if step is not None and step.native is not None else None
     mine = "native" if fused is not None else "layered"
-    everyone: list = [None] * parallel.world
-    torch.distributed.all_gather_object(everyone, mine, group=parallel.cpu_group)
+    everyone: list = [mine] * parallel.world
+    if parallel.world > 1:  # (a rank runner of one rank: tests/test_runtime.py)
+        torch.distributed.all_gather_object(everyone, mine, group=parallel.cpu_group)
     runner.rank_paths = everyone
     runner.native = fused if all(path == "native" for path in everyone) else None
     if mine == "native" and runner.native is None:
