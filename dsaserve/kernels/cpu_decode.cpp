@@ -99,8 +99,7 @@ class DecodeLayers {
     TORCH_CHECK(positions.size(0) == rows && slots.dim() == 2 && slots.size(0) >= rows,
                 "one position and one slot row per token");
     Step s;
-    s.all_rows = rows;
-    int64_t most = rows;
+    s.all_rows = s.most = rows;
     if (group_rows.size() > 1) {
       TORCH_CHECK(world_.active() && group >= 0 && group < static_cast<int64_t>(group_rows.size()) &&
                       group_rows[group] == rows && attn_tp * static_cast<int64_t>(group_rows.size()) ==
@@ -110,7 +109,7 @@ class DecodeLayers {
       s.attn_tp = attn_tp;
       s.all_rows = std::accumulate(group_rows.begin(), group_rows.end(), int64_t{0});
       s.own_begin = std::accumulate(group_rows.begin(), group_rows.begin() + group, int64_t{0});
-      most = *std::max_element(group_rows.begin(), group_rows.end());
+      s.most = *std::max_element(group_rows.begin(), group_rows.end());
     }
     s.rows = rows;
     s.ids = ids.data_ptr<int64_t>();
@@ -149,7 +148,7 @@ class DecodeLayers {
     s.logits = logits.data_ptr<float>();  // (no rows: maybe null, and never written)
     s.with_logits = with_logits;
     const int threads = std::max(1, std::min<int>(threads_ ? threads_ : at::get_num_threads(), 64));
-    scratch_.size(layers_, head_, rows, longest, threads, world_.size(), s.all_rows, most);
+    scratch_.size(layers_, head_, rows, longest, threads, world_.size(), s.all_rows, s.most);
     if (world_.active()) s.world = &world_;
     s.attn = attn_.active() ? &attn_ : s.dp() ? nullptr : s.world;  // DP: the group's, if any
     run(s, threads);

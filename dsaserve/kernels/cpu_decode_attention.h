@@ -224,9 +224,11 @@ inline void Layer::attend(const Ctx& c, const Rows& kv) const {
     o.residual_stride = w.hidden;
   }
   run_jobs(&o, 1, c.tid, c.nth);
-  c.barrier();
-  if (!split) return;
-  c.all_reduce(s.attn, w.attn.data(), s.rows * w.hidden);
+  if (!split) {
+    c.barrier();
+    return;
+  }
+  c.all_reduce(s.attn, w.attn.data(), s.rows * w.hidden);  // (its barriers end the phase)
   const auto [rb, re] = c.my_rows();
   for (int64_t i = rb * w.hidden; i < re * w.hidden; ++i) w.x[i] += w.attn[i];
 }

@@ -71,7 +71,7 @@ class Comm {
   }
 
   int64_t seq = 0;  // the last message's sequence number (the Python group's, handed over)
-  double waited = 0;  // seconds spent waiting for the other ranks (bench/tp_native.py)
+  double waited = 0;  // seconds spent waiting for the other ranks (ParallelState.comm_seconds)
   std::string error;  // set when a collective failed: every later one returns at once
 
  private:

@@ -111,7 +111,7 @@ struct Step {
   // `attn_tp`) go through the MLP block and the LM head together; this group's rows are
   // [own_begin, own_begin + rows) of those `all_rows` (one group: all_rows == rows).
   const int64_t* group_rows = nullptr;
-  int64_t groups = 1, attn_tp = 1, own_begin = 0, all_rows = 0;
+  int64_t groups = 1, attn_tp = 1, own_begin = 0, all_rows = 0, most = 0;  // most: the largest
   bool dp() const { return groups > 1; }
 };
 
@@ -155,13 +155,11 @@ struct Ctx {
   void gather_groups(float* x, int64_t width) const {
     if (!s.dp()) return;
     barrier();
-    int64_t most = 0;
-    for (int64_t g = 0; g < s.groups; ++g) most = std::max(most, s.group_rows[g]);
-    if (tid == 0 && most > 0) {
+    if (tid == 0 && s.most > 0) {
       float* all = w.gathered.data();  // [world, most, width]
-      s.world->all_gather(x, most * width, all);
+      s.world->all_gather(x, s.most * width, all);
       for (int64_t g = 0, at = 0; g < s.groups; at += s.group_rows[g++])
-        std::copy_n(all + g * s.attn_tp * most * width, s.group_rows[g] * width, x + at * width);
+        std::copy_n(all + g * s.attn_tp * s.most * width, s.group_rows[g] * width, x + at * width);
     }
     barrier();
   }

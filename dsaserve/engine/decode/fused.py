@@ -212,8 +212,7 @@ class FusedDecode:
         if any(w is None for w in weights):
             return None
         on_cpu = all(w.w_in.device.type == "cpu" for w in weights)
-        python = weights[0].w_in.dtype == torch.float32 and cache_dtype == torch.float32
-        python = python and not ranks
+        python = not ranks and weights[0].w_in.dtype == cache_dtype == torch.float32
         stored = cache_dtype in (torch.float32, torch.bfloat16, torch.uint8)
         built = None
         if native and on_cpu and stored:

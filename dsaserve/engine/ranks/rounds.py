@@ -254,6 +254,7 @@ class RankRunner:
         for name, shm in shms:
             setattr(layers, name, shm.seq)
         self.native_rounds += 1
+        waited = layers.comm_wait
         try:
             groups = (group_rows, p.dp_rank, p.attn_tp)
             return self.native.decode_logits(batch.input_ids, batch.positions, batch.decode_slots,
@@ -262,6 +263,7 @@ class RankRunner:
         finally:
             for name, shm in shms:
                 shm.seq = getattr(layers, name)
+            p.comm_seconds += layers.comm_wait - waited  # its waits (bench/parallel.py)
 
     def _forward(self, batch: ForwardBatch, bucket: Any,
                  taps: tuple[int, ...] = ()) -> torch.Tensor:  # fmt: skip
