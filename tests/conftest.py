@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import skip_policy
+import torch
 import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
 from server_harness import (
     Server,
@@ -57,6 +58,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(skip_policy.SkipPolicy(config), "dsaserve-skip-policy")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)  # two workers (pyproject's -n 2) share the two cores
+
+
+# The files that take longest (a serial run's --durations), longest first: pyproject's `-n 2
+# --dist loadfile` hands files out in collection order, so these start early and the run does
+# not end on one of them alone. Only the order changes; every file still runs.
+LONGEST_FIRST = (
+    "test_parallel_serve", "test_native_build", "test_hicache_parallel", "test_hub",
+    "test_dflash_server", "test_pd_router", "test_responses_embedded", "test_pd_failures",
+    "test_server_lifecycle", "test_cuda_graph_decode", "test_console_browser",
+    "test_structured_invariant", "test_plan_commands_serve", "test_default_model",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -88,8 +88,15 @@ class SkipPolicy:
         return [skip for skip in self.skips if not skip.hardware]
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(self.config, "workeroutput"):  # an xdist worker: the controller prints the line
+            self.config.workeroutput["nightly"] = self.nightly
         if in_ci() and self.outside_hardware() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error) -> None:
+        """An xdist worker's count (each worker collects every test, so each counts them all)."""
+        self.nightly = max(self.nightly, getattr(node, "workeroutput", {}).get("nightly", 0))
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         listed = "; ".join(f"{s.nodeid} ({s.reason})" for s in self.skips) or "none"

@@ -12,7 +12,11 @@
 // step here, the partial sums and the vocab-parallel parts exchanged over shared memory inside
 // the call (cpu_decode_comm.h). Built at first use by engine/decode/native.py.
 
-#include <torch/extension.h>
+// Only the headers used: <torch/extension.h> alone takes ~20 s of each build to parse.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <chrono>
@@ -32,12 +36,12 @@
 namespace dsa {
 namespace {
 
-using torch::Tensor;
+using at::Tensor;
 
 Kv kv_kind(const Tensor& cache) {
-  if (cache.scalar_type() == torch::kFloat) return Kv::kF32;
-  if (cache.scalar_type() == torch::kBFloat16) return Kv::kBF16;
-  TORCH_CHECK(cache.scalar_type() == torch::kUInt8, "KV pool: fp32, bf16 or FP8 bytes");
+  if (cache.scalar_type() == at::kFloat) return Kv::kF32;
+  if (cache.scalar_type() == at::kBFloat16) return Kv::kBF16;
+  TORCH_CHECK(cache.scalar_type() == at::kByte, "KV pool: fp32, bf16 or FP8 bytes");
   return Kv::kFP8;
 }
 
@@ -69,7 +73,7 @@ class DecodeLayers {
   // kept alive here): the world's, and its attention group's where that is a smaller group
   // (DP attention with several ranks a group; `attn` false: the world's, or none).
   void set_comm(const Tensor& memory, int64_t ranks, int64_t index, double timeout, bool attn) {
-    TORCH_CHECK(memory.scalar_type() == torch::kByte && memory.is_contiguous() &&
+    TORCH_CHECK(memory.scalar_type() == at::kByte && memory.is_contiguous() &&
                     memory.numel() >= ranks * (Comm::kFlagStride * 8 + 2 * Comm::kSlotBytes) &&
                     ranks <= 64 && index >= 0 && index < ranks,
                 "set_comm: a shared-memory group's mapping");
@@ -92,8 +96,8 @@ class DecodeLayers {
                  bool with_logits, const std::vector<int64_t>& group_rows, int64_t group,
                  int64_t attn_tp) {
     for (const Tensor* t : {&ids, &positions, &slots})
-      TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous(), "int64, contiguous");
-    TORCH_CHECK(cos.scalar_type() == torch::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "int64, contiguous");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
                 "rotary tables: fp32");
     const int64_t rows = ids.size(0);
     TORCH_CHECK(positions.size(0) == rows && slots.dim() == 2 && slots.size(0) >= rows,
@@ -135,7 +139,7 @@ class DecodeLayers {
     s.index_cache = &index_cache;
     s.taps = &taps;
     if (!taps.empty()) {
-      TORCH_CHECK(tapped.scalar_type() == torch::kFloat && tapped.is_contiguous() &&
+      TORCH_CHECK(tapped.scalar_type() == at::kFloat && tapped.is_contiguous() &&
                       tapped.size(0) == rows &&
                       tapped.size(1) == static_cast<int64_t>(taps.size()) * head_.hidden,
                   "tapped: fp32 [rows, taps * hidden]");
@@ -144,7 +148,7 @@ class DecodeLayers {
       s.tapped = tapped.data_ptr<float>();
     }
     TORCH_CHECK(with_logits || !taps.empty(), "a step without logits needs taps");
-    Tensor logits = torch::empty({with_logits ? rows : 0, head_.vocab}, cos.options());
+    Tensor logits = at::empty({with_logits ? rows : 0, head_.vocab}, cos.options());
     s.logits = logits.data_ptr<float>();  // (no rows: maybe null, and never written)
     s.with_logits = with_logits;
     const int threads = std::max(1, std::min<int>(threads_ ? threads_ : at::get_num_threads(), 64));
@@ -252,7 +256,7 @@ Tensor index_scores(const Tensor& q, const Tensor& w, const Tensor& pool_keys, c
                   slots.is_contiguous() && valid.is_contiguous(),
               "index_scores: contiguous tensors");
   const int64_t length = slots.size(0);
-  Tensor out = torch::empty({length}, q.options());
+  Tensor out = at::empty({length}, q.options());
   const Tensor pool3 = pool_keys.unsqueeze(0);
   const Rows keys = pool_rows(pool3, 0, pool_keys.size(1), 0);
   score_keys(q.data_ptr<float>(), w.data_ptr<float>(), keys, slots.data_ptr<int64_t>(), length,
@@ -266,7 +270,7 @@ Tensor index_scores(const Tensor& q, const Tensor& w, const Tensor& pool_keys, c
 
 Tensor topk_earliest(const Tensor& scores, int64_t k) {
   const Tensor sc = scores.contiguous();
-  Tensor out = torch::empty({sc.size(0), k}, sc.options().dtype(torch::kLong));
+  Tensor out = at::empty({sc.size(0), k}, sc.options().dtype(at::kLong));
   std::vector<Cand> heap;
   for (int64_t r = 0; r < sc.size(0); ++r)
     topk_earliest_row(sc.data_ptr<float>() + r * sc.size(1), sc.size(1), k, heap,
@@ -276,7 +280,7 @@ Tensor topk_earliest(const Tensor& scores, int64_t k) {
 
 // The stored form of rows [R, width] in a pool like `like` (tests check it against kv_quant.py).
 Tensor store_rows(const Tensor& x, const Tensor& like, int64_t rank) {
-  Tensor out = torch::empty({1, x.size(0), like.size(-1)}, like.options());
+  Tensor out = at::empty({1, x.size(0), like.size(-1)}, like.options());
   const Rows r = pool_rows(out, 0, x.size(1), rank);
   const Tensor xc = x.contiguous();
   for (int64_t i = 0; i < x.size(0); ++i) r.store(i, xc.data_ptr<float>() + i * x.size(1));
@@ -288,11 +292,11 @@ Tensor store_rows(const Tensor& x, const Tensor& like, int64_t rank) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<dsa::DecodeLayers>(m, "DecodeLayers")
-      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>,
-                          std::vector<std::vector<torch::Tensor>>,
-                          std::vector<std::vector<torch::Tensor>>,
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>,
+                          std::vector<std::vector<at::Tensor>>,
+                          std::vector<std::vector<at::Tensor>>,
                           std::vector<std::vector<int64_t>>, std::vector<std::vector<double>>,
-                          std::vector<torch::Tensor>, double, int64_t, int64_t>())
+                          std::vector<at::Tensor>, double, int64_t, int64_t>())
       .def("forward", &dsa::DecodeLayers::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("num_layers", &dsa::DecodeLayers::num_layers)
       .def("set_comm", &dsa::DecodeLayers::set_comm)

@@ -7,7 +7,10 @@
 
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,7 +28,7 @@
 
 namespace dsa {
 
-using torch::Tensor;
+using at::Tensor;
 
 // The order of a layer's tensors, ints and floats (engine/decode/native.py layer_fields); its
 // scales are two more tensor lists in Slot order (an FP8 weight's grid, or an NVFP4 one's group
@@ -47,27 +50,27 @@ inline Mat mat(const Tensor& t, const Tensor& scale = {}, int64_t index = -1,
   Mat m;
   if (!t.defined() || t.numel() == 0) return m;
   const auto type = t.scalar_type();
-  TORCH_CHECK(t.is_contiguous() && (type == torch::kFloat || type == torch::kBFloat16 ||
-                                    type == torch::kFloat8_e4m3fn || type == torch::kByte),
+  TORCH_CHECK(t.is_contiguous() && (type == at::kFloat || type == at::kBFloat16 ||
+                                    type == at::kFloat8_e4m3fn || type == at::kByte),
               "native decode weights: contiguous fp32, bf16, float8_e4m3fn or NVFP4 codes");
   m.rows = t.size(-2);
   m.cols = t.size(-1);
-  m.kind = type == torch::kBFloat16 ? kBF16 : type == torch::kFloat8_e4m3fn ? kFP8 : kF32;
+  m.kind = type == at::kBFloat16 ? kBF16 : type == at::kFloat8_e4m3fn ? kFP8 : kF32;
   const int64_t at = index < 0 ? 0 : index * m.rows;  // the first row of matrix `index`
   m.data = static_cast<const uint8_t*>(t.data_ptr()) + at * m.cols * t.element_size();
-  if (type == torch::kByte) {
+  if (type == at::kByte) {
     m.kind = kNVFP4;
     m.cols *= 2;
     TORCH_CHECK(m.cols % 16 == 0 && scale.defined() &&
-                scale.scalar_type() == torch::kFloat8_e4m3fn && scale.size(-1) == m.cols / 16 &&
+                scale.scalar_type() == at::kFloat8_e4m3fn && scale.size(-1) == m.cols / 16 &&
                 scale.size(-2) == m.rows && scale2.defined() &&
-                scale2.scalar_type() == torch::kFloat && scale2.numel() == scale.numel() / scale.size(-1),
+                scale2.scalar_type() == at::kFloat && scale2.numel() == scale.numel() / scale.size(-1),
                 "an NVFP4 weight needs its e4m3 [rows, cols / 16] and fp32 [rows] scales");
     m.scale8 = static_cast<const uint8_t*>(scale.data_ptr()) + at * (m.cols / 16);
     m.scale2 = scale2.data_ptr<float>() + at;
   }
   if (m.kind == kFP8) {
-    TORCH_CHECK(scale.defined() && scale.scalar_type() == torch::kFloat && scale.is_contiguous(),
+    TORCH_CHECK(scale.defined() && scale.scalar_type() == at::kFloat && scale.is_contiguous(),
                 "an FP8 weight needs its fp32 scale grid");
     m.scale_rows = scale.size(-2) == m.rows ? 1 : kScaleBlock;
     m.scale_cols = (m.cols + kScaleBlock - 1) / kScaleBlock;
@@ -81,7 +84,7 @@ inline Mat mat(const Tensor& t, const Tensor& scale = {}, int64_t index = -1,
 
 inline const float* f32(const Tensor& t) {
   if (!t.defined() || t.numel() == 0) return nullptr;
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), "fp32 norm / bias");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "fp32 norm / bias");
   return t.data_ptr<float>();
 }
 

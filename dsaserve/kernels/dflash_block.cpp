@@ -12,7 +12,11 @@
 // context cache is fp32 or bf16. The drafter is small (a few layers, hidden ~200), so its cost in
 // torch is the per-op overhead, not the arithmetic: here it is one call on the calling thread.
 
-#include <torch/extension.h>
+// Only the headers used: <torch/extension.h> alone takes ~20 s of each build to parse.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,26 +31,26 @@
 namespace dsa {
 namespace {
 
-using torch::Tensor;
+using at::Tensor;
 
 Mat mat_of(const Tensor& w, const Tensor& bias) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "a contiguous 2-d weight");
-  TORCH_CHECK(w.scalar_type() == torch::kFloat || w.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
               "weights: fp32 or bf16");
   Mat m;
   m.data = w.data_ptr();
   m.rows = w.size(0);
   m.cols = w.size(1);
-  m.kind = w.scalar_type() == torch::kBFloat16 ? kBF16 : kF32;
+  m.kind = w.scalar_type() == at::kBFloat16 ? kBF16 : kF32;
   if (bias.defined() && bias.numel()) {
-    TORCH_CHECK(bias.scalar_type() == torch::kFloat && bias.numel() == m.rows, "bias: fp32 [rows]");
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == m.rows, "bias: fp32 [rows]");
     m.bias = bias.data_ptr<float>();
   }
   return m;
 }
 
 const float* fp32(const Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous(), "fp32, contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), "fp32, contiguous");
   return t.data_ptr<float>();
 }
 
@@ -68,12 +72,12 @@ struct Layer {
     k_norm = fp32(t[3]);
     qkv = mat_of(t[4], t[5]);
     o = mat_of(t[6], t[7]);
-    gate_up = mat_of(t[8], torch::Tensor());
-    down = mat_of(t[9], torch::Tensor());
+    gate_up = mat_of(t[8], at::Tensor());
+    down = mat_of(t[9], at::Tensor());
     if (t[10].numel()) {
-      att_proj = mat_of(t[10], torch::Tensor());
+      att_proj = mat_of(t[10], at::Tensor());
       att_base = fp32(t[11]);
-      mlp_proj = mat_of(t[12], torch::Tensor());
+      mlp_proj = mat_of(t[12], at::Tensor());
       mlp_base = fp32(t[13]);
     }
   }
@@ -107,7 +111,7 @@ class DraftBlock {
       layers_.emplace_back(layers[l], causal[l] != 0, windows[l]);
     fp32(final_norm_);
     fp32(hidden_norm_);
-    fc_ = mat_of(fc_w_, torch::Tensor());
+    fc_ = mat_of(fc_w_, at::Tensor());
   }
 
   // The context entries of N tokens (DFlashDraftModel.context_entries): taps [N, fc inputs] fp32
@@ -119,12 +123,12 @@ class DraftBlock {
     const int64_t qkvw = qw + 2 * kw, width = 2 * kw;
     TORCH_CHECK(taps.dim() == 2 && taps.size(1) == fc_.cols && cos.size(0) == n &&
                     sin.sizes() == cos.sizes() && cos.size(1) == dim_ / 2 && slots.numel() == n &&
-                    slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+                    slots.scalar_type() == at::kLong && slots.is_contiguous(),
                 "entries: taps [N, fc inputs], cos / sin [N, dim / 2], slots [N] int64");
     TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() && cache.size(2) == width &&
                     cache.size(0) == static_cast<int64_t>(layers_.size()) &&
-                    (cache.scalar_type() == torch::kFloat ||
-                     cache.scalar_type() == torch::kBFloat16), "cache: [layers, slots, kv_dim]");
+                    (cache.scalar_type() == at::kFloat ||
+                     cache.scalar_type() == at::kBFloat16), "cache: [layers, slots, kv_dim]");
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t t = 0; t < n; ++t)
       TORCH_CHECK(sl[t] >= 0 && sl[t] < cache.size(1), "slot out of range");
@@ -132,7 +136,7 @@ class DraftBlock {
     linear(fp32(taps), n, fc_, context.data());
     norm_rows(context.data(), n, fp32(hidden_norm_), normed.data());
     const float *c = fp32(cos), *s = fp32(sin);
-    const bool bf16 = cache.scalar_type() == torch::kBFloat16;
+    const bool bf16 = cache.scalar_type() == at::kBFloat16;
     RowsRef x;
     x.base = normed.data();
     x.stride = hidden_;
@@ -170,12 +174,12 @@ class DraftBlock {
     TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous() &&
                     cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     cache.size(2) == 2 * kv_heads_ * dim_ &&
-                    (cache.scalar_type() == torch::kFloat ||
-                     cache.scalar_type() == torch::kBFloat16), "cache: [layers, slots, kv_dim]");
+                    (cache.scalar_type() == at::kFloat ||
+                     cache.scalar_type() == at::kBFloat16), "cache: [layers, slots, kv_dim]");
     for (int64_t r = 0; r < reqs; ++r)
-      TORCH_CHECK(slots[r].scalar_type() == torch::kLong && slots[r].is_contiguous() &&
+      TORCH_CHECK(slots[r].scalar_type() == at::kLong && slots[r].is_contiguous() &&
                       lens[r] >= 0 && slots[r].numel() >= lens[r], "slots: int64, one per entry");
-    Tensor out = torch::empty({n, hidden_}, noise.options());
+    Tensor out = at::empty({n, hidden_}, noise.options());
     std::vector<float> x(fp32(noise), fp32(noise) + n * hidden_);
     const int64_t qw = heads_ * dim_, kw = kv_heads_ * dim_, qkvw = qw + 2 * kw;
     h_.resize(n * hidden_);
@@ -282,7 +286,7 @@ class DraftBlock {
   // and block rows.
   void attend(const Layer& L, int64_t layer, const Tensor& cache, const std::vector<Tensor>& slots,
               const std::vector<int64_t>& lens, int64_t block) {
-    if (cache.scalar_type() == torch::kFloat) {
+    if (cache.scalar_type() == at::kFloat) {
       attend_as(L, static_cast<const float*>(cache.data_ptr()), layer, cache, slots, lens, block);
     } else {
       attend_as(L, static_cast<const uint16_t*>(cache.data_ptr()), layer, cache, slots, lens,
@@ -356,9 +360,9 @@ class DraftBlock {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<dsa::DraftBlock>(m, "DraftBlock")
-      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<int64_t>,
-                          std::vector<int64_t>, std::vector<int64_t>, torch::Tensor, torch::Tensor,
-                          torch::Tensor, double, double>())
+      .def(pybind11::init<std::vector<std::vector<at::Tensor>>, std::vector<int64_t>,
+                          std::vector<int64_t>, std::vector<int64_t>, at::Tensor, at::Tensor,
+                          at::Tensor, double, double>())
       .def("write_entries", &dsa::DraftBlock::write_entries,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("forward", &dsa::DraftBlock::forward,

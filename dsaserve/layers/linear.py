@@ -88,6 +88,12 @@ class VocabParallelEmbedding(nn.Embedding):
         self.parts = parts
         self.reduce = reduce
 
+    def reset_parameters(self) -> None:
+        """Random values, except on the meta device (the memory fit's model): there `normal_`
+        runs through torch's Python refs, whose first use imports torch._dynamo (2 s a process)."""
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.parts == 1:
             return super().forward(ids)
