@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import skip_policy
-import torch
 import triton_env  # noqa: F401  (first: TRITON_INTERPRET=1 on CPU before anything imports triton)
+import worker_threads  # noqa: F401  (before torch: one thread per xdist worker)
 from server_harness import (
     Server,
     make_server_checkpoint,
@@ -58,8 +58,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(skip_policy.SkipPolicy(config), "dsaserve-skip-policy")
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        torch.set_num_threads(1)  # two workers (pyproject's -n 2) share the two cores
 
 
 # The files that take longest (a serial run's --durations), longest first: pyproject's `-n 2
