@@ -79,3 +79,24 @@ def test_the_fit_counts_what_the_loader_holds(server_checkpoint: Path) -> None:
         held = sum(t.numel() * t.element_size() for t in tensors.values()
                    if any(t is p for p in persistent.values()))  # fmt: skip
         assert predicted == held, dtype
+
+
+# What a start's fit runs (runtime/memory_fit.py), in a fresh process: which torch._dynamo
+# modules it imported
+FIT_IMPORTS = """
+import sys
+from dsaserve.args import ServerArgs
+from dsaserve.runtime.memory_fit import memory_need
+memory_need(ServerArgs(model_path=sys.argv[1], device="cpu", max_total_tokens=4096))
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+def test_the_fit_does_not_import_torch_dynamo(server_checkpoint: Path) -> None:
+    """Every start builds the fit's meta model; none of it imports torch._dynamo, 2 s of a
+    start's imports (nn.Embedding's normal_ on the meta device runs through torch's Python refs:
+    layers/linear.py VocabParallelEmbedding.reset_parameters skips it there)."""
+    run = subprocess.run([sys.executable, "-c", FIT_IMPORTS, str(server_checkpoint)],
+                         capture_output=True, text=True, timeout=HANG_GUARD_S)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout

@@ -112,11 +112,20 @@ def _give_up_once_running(url: str, body: dict) -> None:
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")  # fmt: skip
     with socket.create_connection((host, int(port))) as client:
         client.sendall(head.encode() + data)
-        wait_for(lambda: _stats(url)["num_running"], "the request running", poll=0.01)
         client.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            answer = client.recv(4000)
-            assert answer == b"", f"answered before the client went away: {answer}"
+        answer, last = bytearray(), {}
+
+        def running_or_answered() -> bool:
+            """Running, or answered or closed first (then the assertion below says which)."""
+            with contextlib.suppress(BlockingIOError):
+                chunk = client.recv(4000)
+                answer.extend(chunk or b"(closed)")
+            last.update(_stats(url))
+            return bool(answer) or last["num_running"] > 0
+
+        wait_for(running_or_answered, lambda: f"the request running; last stats: {last}",
+                 poll=0.01)  # fmt: skip
+        assert not answer, f"answered before the client went away: {bytes(answer)}"
 
 
 @contextlib.contextmanager
